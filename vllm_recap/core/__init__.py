@@ -1,0 +1,1 @@
+"""RECAP core: memories, fusion, tree builder, suffix automaton, verification. No vllm/torch."""
