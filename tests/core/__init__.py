@@ -1,0 +1,1 @@
+"""Tests of vllm_recap.core (engine-free)."""

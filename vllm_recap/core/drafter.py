@@ -1,0 +1,370 @@
+"""The drafter: RECAP (or Token Recycling) behind a lifecycle API keyed by request id.
+
+    start(req, prompt[, prompt rows])      request-local memories + suffix automaton
+    loop:
+        propose(req) -> DraftTree          tree rooted at history[-1]
+        (engine verifies the tree)
+        observe(req, tree, top-K rows)     every evaluated node updates the memories
+        commit(req, accepted + bonus)      only committed tokens extend the history
+    stop(req)                              frees request-local state
+
+`observe` must come before the matching `commit`: node 0 of an observed step is the root, the
+last token of the history *before* the commit. Misuse raises ValueError. Not thread-safe: one
+engine thread drives a drafter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from vllm_recap.core import _kernels as kernels
+from vllm_recap.core.config import MAX_VOCAB_SIZE, Policy, RecapConfig, TreeShape
+from vllm_recap.core.fusion import FUSION_CODES, fuse
+from vllm_recap.core.memory import (
+    ContextStore,
+    UnigramPartitions,
+    UnigramTable,
+    empty_context_arrays,
+)
+from vllm_recap.core.recycling import TEMPLATE_PARENTS, TEMPLATE_RANKS
+from vllm_recap.core.suffix import SuffixAutomaton
+from vllm_recap.core.tree import DraftTree
+
+_OBSERVE_ERRORS = {
+    1: "parents must satisfy parents[0] == -1 and 0 <= parents[i] < i",
+    2: "a node token is outside [0, vocab_size)",
+    3: "a top-K id is outside [0, vocab_size)",
+    4: "top-K probabilities must be finite, >= 0, with a positive sum per row",
+}
+
+
+class _Request:
+    __slots__ = ("history", "sam", "ctx", "unigram", "salt")
+
+    def __init__(self, history: list[int], sam: SuffixAutomaton | None,
+                 ctx: ContextStore | None, unigram: UnigramTable, salt: str | None) -> None:
+        self.history = history
+        self.sam = sam
+        self.ctx = ctx
+        self.unigram = unigram
+        self.salt = salt
+
+
+class Drafter:
+    """Proposes draft trees for many concurrent requests from recycled target predictions.
+
+    Args:
+        config: algorithm knobs (validated).
+        vocab_size: target vocabulary size V (< 2**21); token ids must lie in [0, V).
+        blocked_token_ids: ids never drafted (image/video placeholders).
+    """
+
+    def __init__(self, config: RecapConfig, vocab_size: int,
+                 blocked_token_ids: Iterable[int] = ()) -> None:
+        if not isinstance(config, RecapConfig):
+            raise ValueError(f"config must be a RecapConfig, got {type(config).__name__}")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or not (
+            1 <= vocab_size < MAX_VOCAB_SIZE
+        ):
+            raise ValueError(f"vocab_size = {vocab_size!r} must be an int in [1, {MAX_VOCAB_SIZE})")
+        self.config = config
+        self.vocab_size = int(vocab_size)
+        blocked = np.asarray(list(blocked_token_ids), np.int64)
+        if blocked.size and (blocked.min() < 0 or blocked.max() >= vocab_size):
+            raise ValueError(f"blocked_token_ids must lie in [0, {vocab_size}), got {blocked}")
+        self._blocked = np.zeros(self.vocab_size, np.bool_)
+        self._blocked[blocked] = True
+
+        tr = config.policy is Policy.TOKEN_RECYCLING
+        self._k = config.top_k
+        # Token Recycling = U only, raw adjacency rows, static template, no suffix, and (as in
+        # the original) no repeated-edge rule.
+        self._ctx_on = config.use_context_memories and not tr
+        self._fusion = kernels.FUSE_BACKOFF if tr else FUSION_CODES[config.fusion]
+        self._template = tr or config.tree_shape is TreeShape.FIXED
+        self._suffix_len = 0 if tr else config.suffix_len
+        self._no_repeat = not tr
+        self._priors = np.asarray(config.priors, np.float64)
+        self._discounts = np.asarray(config.depth_discounts, np.float64)
+        self._partitions = (
+            UnigramPartitions(self.vocab_size, self._k, config.max_partitions)
+            if config.persistent_unigram else None
+        )
+        self._empty_ctx = empty_context_arrays(self._k)
+        self._no_suffix = np.zeros(0, np.int64)
+        self._requests: dict[str, _Request] = {}
+        # Hot-path copies of config values (attribute chains cost more than the 16-node tree).
+        self._budget = config.node_budget
+        self._depth = config.max_depth
+        self._suffix_prior = float(config.suffix_prior)  # an int would recompile the kernels
+        self._suffix_min_match = config.suffix_min_match
+        self._allocate_outputs(1 + max(config.node_budget, len(TEMPLATE_PARENTS))
+                               + config.suffix_len)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, req_id: str, prompt_tokens: Sequence[int],
+              prompt_rows: tuple[np.ndarray, ...] | None = None, salt: str | None = None) -> None:
+        """Registers a request whose history is its prompt.
+
+        Args:
+            req_id: request id, unique among running requests.
+            prompt_tokens: [p] prompt token ids, p >= 1.
+            prompt_rows: optional (ids [m, K], probs [m, K][, positions [m]]): row i is the
+                target's top-K prediction after prompt[:positions[i] + 1], stored under the
+                contexts ending at prompt[positions[i]]. Without positions, rows are for
+                positions 0..m-1 (m <= p). Lets an engine pass rows for a subset of positions.
+            salt: persistent-U partition (vLLM's cache_salt); None = the default partition.
+
+        Raises:
+            ValueError: double start, empty prompt, ids out of range, malformed rows.
+        """
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} already started")
+        prompt = np.asarray(prompt_tokens, np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError(f"request {req_id!r}: prompt_tokens must not be empty")
+        self._check_tokens(req_id, "prompt_tokens", prompt)
+        unigram = (self._partitions.get(salt) if self._partitions is not None
+                   else UnigramTable(self.vocab_size, self._k))
+        ctx = ContextStore(self._k, self.config.max_context_rows) if self._ctx_on else None
+        if prompt_rows is not None:
+            self._seed(req_id, prompt, prompt_rows, unigram, ctx)
+        sam = SuffixAutomaton(prompt) if self._suffix_len > 0 else None
+        self._requests[req_id] = _Request(prompt.tolist(), sam, ctx, unigram, salt)
+
+    def observe(self, req_id: str, node_tokens: np.ndarray, parents: np.ndarray,
+                topk_ids: np.ndarray, topk_probs: np.ndarray) -> None:
+        """Stores the target's rows for one verified step (every evaluated node).
+
+        Args:
+            req_id: a started request.
+            node_tokens: [n] int; node 0 = the root = history[-1] (before this step's commit).
+            parents: [n] int, parents[0] == -1, parents[i] < i.
+            topk_ids: [n, K] int, row i = the target's top-K after node i's context
+                (history + path root->i).
+            topk_probs: [n, K] float, renormalised over the K (renormalised again here).
+
+        Raises:
+            ValueError: unknown request, root mismatch, malformed or out-of-range input.
+        """
+        req = self._get(req_id)
+        tokens = np.ascontiguousarray(node_tokens, np.int64)
+        parents = np.ascontiguousarray(parents, np.int64)
+        ids = np.ascontiguousarray(topk_ids, np.int64)
+        probs = np.ascontiguousarray(topk_probs, np.float32)
+        n = tokens.shape[0] if tokens.ndim == 1 else 0
+        k = self._k
+        if n == 0 or parents.shape != (n,) or ids.shape != (n, k) or probs.shape != (n, k):
+            raise ValueError(
+                f"request {req_id!r}: expected node_tokens [n>=1], parents [n], topk_ids and "
+                f"topk_probs [n, {self._k}]; got {tokens.shape}, {parents.shape}, {ids.shape}, "
+                f"{probs.shape}"
+            )
+        hist = req.history
+        if tokens[0] != hist[-1]:
+            raise ValueError(
+                f"request {req_id!r}: node_tokens[0] = {int(tokens[0])} is not the last history "
+                f"token {hist[-1]} (observe a step before committing it)"
+            )
+        ctx = req.ctx
+        if ctx is not None:
+            ctx.reserve(2 * n)
+            tkeys, tvals, ring, meta = ctx.tkeys, ctx.tvals, ctx.ring, ctx.meta
+        else:
+            tkeys, tvals, ring, meta = self._empty_ctx
+        h2 = hist[-3] if len(hist) >= 3 else -1
+        h1 = hist[-2] if len(hist) >= 2 else -1
+        status = kernels.observe_tree(tokens, parents, h2, h1, ids, probs, req.unigram.rows,
+                                      ctx is not None, tkeys, tvals, ring, meta)
+        if status:
+            raise ValueError(f"request {req_id!r}: observe: {_OBSERVE_ERRORS[status]}")
+
+    def commit(self, req_id: str, tokens: Sequence[int]) -> None:
+        """Appends committed tokens (accepted drafts + bonus) to the history."""
+        req = self._get(req_id)
+        new = [int(t) for t in tokens]
+        for t in new:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"request {req_id!r}: committed token {t} outside [0, {self.vocab_size})")
+        req.history.extend(new)
+        if req.sam is not None:
+            req.sam.extend(np.array(new, np.int64))
+
+    def propose(self, req_id: str, node_budget: int | None = None,
+                max_depth: int | None = None) -> DraftTree:
+        """Builds a draft tree rooted at history[-1].
+
+        Args:
+            req_id: a started request.
+            node_budget: draft nodes before suffix insertion (default config.node_budget);
+                0 gives a root-only tree (no suffix either).
+            max_depth: deepest level (default config.max_depth); 0 gives a root-only tree.
+
+        Returns:
+            DraftTree: parents-first, best chain at 1..L, no blocked token, width <= K (the
+            suffix path may add one more child to a node), depth <= max_depth, and (RECAP) no
+            edge (parent token, child token) repeated on a root->node path.
+        """
+        req = self._get(req_id)
+        budget = self._budget if node_budget is None else _nonneg("node_budget", node_budget)
+        depth = self._depth if max_depth is None else _nonneg("max_depth", max_depth)
+        hist = req.history
+        root = hist[-1]
+        if budget == 0 or depth == 0:
+            return DraftTree.root_only(root)
+        suffix = self._no_suffix
+        if req.sam is not None:
+            suffix = req.sam.continuation(self._suffix_len, self._suffix_min_match)
+        ctx = req.ctx
+        tkeys, tvals = (ctx.tkeys, ctx.tvals) if ctx is not None else self._empty_ctx[:2]
+        h2 = hist[-3] if len(hist) >= 3 else -1
+        h1 = hist[-2] if len(hist) >= 2 else -1
+        if 1 + budget + suffix.shape[0] > self._out_scores.shape[0]:
+            self._allocate_outputs(1 + budget + suffix.shape[0])
+        out = self._out_ids
+        if self._template:
+            n_template = min(budget, TEMPLATE_PARENTS.shape[0] - 1) + 1
+            n, chain = kernels.build_template(
+                root, h2, h1, TEMPLATE_PARENTS, TEMPLATE_RANKS, n_template, depth,
+                self._discounts, self._priors, self._fusion, ctx is not None, self._no_repeat,
+                self._blocked, req.unigram.rows, tkeys, tvals, suffix, self._suffix_prior,
+                out[0], out[1], self._out_scores)
+        else:
+            n, chain = kernels.build_best_first(
+                root, h2, h1, budget, depth, self._discounts, self._priors, self._fusion,
+                ctx is not None, self._no_repeat, self._blocked, req.unigram.rows, tkeys, tvals,
+                suffix, self._suffix_prior, out[0], out[1], self._out_scores)
+        pair = out[:, :n].copy()  # one copy for tokens and parents
+        return DraftTree(pair[0], pair[1], self._out_scores[:n].copy(), chain)
+
+    def stop(self, req_id: str) -> None:
+        """Frees the request's local state (C, G, suffix automaton, private U)."""
+        if self._requests.pop(req_id, None) is None:
+            raise ValueError(f"unknown request {req_id!r}")
+
+    # ------------------------------------------------------------------ introspection
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def history(self, req_id: str) -> list[int]:
+        """A copy of the request's prompt + committed tokens."""
+        return list(self._get(req_id).history)
+
+    def unigram_table(self, req_id: str) -> UnigramTable:
+        """The U table the request reads and writes (shared per salt when persistent)."""
+        return self._get(req_id).unigram
+
+    def context_store(self, req_id: str) -> ContextStore | None:
+        """The request's C/G store (None when context memories are off)."""
+        return self._get(req_id).ctx
+
+    def memory_stats(self) -> dict[str, int]:
+        """Sizes for benchmarks: U tables (partitions + private), C/G rows and bytes."""
+        tables = {id(t): t for t in (self._partitions.tables() if self._partitions else [])}
+        for req in self._requests.values():
+            tables.setdefault(id(req.unigram), req.unigram)
+        ctxs = [r.ctx for r in self._requests.values() if r.ctx is not None]
+        return {
+            "requests": len(self._requests),
+            "u_partitions": len(self._partitions) if self._partitions else 0,
+            "u_tables": len(tables),
+            "u_bytes": sum(t.nbytes for t in tables.values()),
+            "context_rows": sum(c.num_rows for c in ctxs),
+            "context_bytes": sum(c.nbytes for c in ctxs),
+            "history_tokens": sum(len(r.history) for r in self._requests.values()),
+        }
+
+    # ------------------------------------------------------------------ helpers
+
+    def _get(self, req_id: str) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            raise ValueError(f"unknown request {req_id!r}")
+        return req
+
+    def _allocate_outputs(self, size: int) -> None:
+        # Kernel output buffers, reused across calls (tokens and parents share one array so a
+        # DraftTree needs two copies, not three); each tree gets copies of the first n entries.
+        self._out_ids = np.empty((2, size), np.int64)
+        self._out_scores = np.empty(size, np.float64)
+
+    def _check_tokens(self, req_id: str, name: str, tokens: np.ndarray) -> None:
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise ValueError(f"request {req_id!r}: {name} must lie in [0, {self.vocab_size})")
+
+    def _seed(self, req_id: str, prompt: np.ndarray, prompt_rows: tuple[np.ndarray, ...],
+              unigram: UnigramTable, ctx: ContextStore | None) -> None:
+        if not isinstance(prompt_rows, (tuple, list)) or len(prompt_rows) not in (2, 3):
+            raise ValueError(
+                f"request {req_id!r}: prompt_rows must be (ids, probs) or (ids, probs, positions)")
+        ids = np.ascontiguousarray(prompt_rows[0], np.int64)
+        probs = np.ascontiguousarray(prompt_rows[1], np.float32)
+        m = ids.shape[0] if ids.ndim == 2 else -1
+        if m < 0 or ids.shape != (m, self._k) or probs.shape != (m, self._k):
+            raise ValueError(
+                f"request {req_id!r}: prompt_rows ids/probs must be [m, {self._k}], got "
+                f"{ids.shape}, {probs.shape}")
+        if len(prompt_rows) == 3:
+            pos = np.asarray(prompt_rows[2], np.int64).reshape(-1)
+            if pos.shape != (m,):
+                raise ValueError(f"request {req_id!r}: positions must be [{m}], got {pos.shape}")
+        else:
+            pos = np.arange(m, dtype=np.int64)
+        if m and (pos.min() < 0 or pos.max() >= prompt.size):
+            raise ValueError(
+                f"request {req_id!r}: prompt_rows positions must lie in [0, {prompt.size})")
+        padded = np.concatenate([np.full(2, -1, np.int64), prompt])
+        ctx3 = np.stack([padded[pos], padded[pos + 1], padded[pos + 2]], axis=1)
+        arrays = self._empty_ctx
+        if ctx is not None:
+            ctx.reserve(2 * m)
+            arrays = ctx.arrays()
+        status = kernels.observe_contexts(ctx3, ids, probs, unigram.rows, ctx is not None, *arrays)
+        if status:
+            raise ValueError(f"request {req_id!r}: prompt_rows: {_OBSERVE_ERRORS[status]}")
+
+
+def _nonneg(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"propose: {name} = {value!r} must be an int >= 0")
+    return int(value)
+
+
+def warmup() -> float:
+    """Compiles (or loads from numba's cache) every kernel with real, non-empty inputs.
+
+    Call once at engine start so no request pays compilation. Returns seconds spent.
+    """
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    vocab, k = 64, 8
+    for cfg in (RecapConfig(node_budget=16),
+                RecapConfig(node_budget=16, tree_shape=TreeShape.FIXED),
+                RecapConfig(node_budget=16, policy=Policy.TOKEN_RECYCLING)):
+        drafter = Drafter(cfg, vocab, blocked_token_ids=[vocab - 1])
+        prompt = rng.integers(0, vocab - 1, 24).tolist()
+        rows = (rng.integers(0, vocab, (24, k)), rng.random((24, k)), np.arange(24))
+        drafter.start("warmup", prompt + prompt, prompt_rows=rows)
+        for _ in range(3):
+            tree = drafter.propose("warmup")
+            n = tree.num_nodes
+            drafter.observe("warmup", tree.tokens, tree.parents, rng.integers(0, vocab, (n, k)),
+                            rng.random((n, k)))
+            drafter.commit("warmup", [int(rng.integers(0, vocab - 1))])
+        drafter.stop("warmup")
+    fuse(np.arange(16).reshape(2, 8), np.ones((2, 8)))  # fuse_rows
+    store = ContextStore(k, 4 * ContextStore.INITIAL_ROWS)
+    store.reserve(2 * ContextStore.INITIAL_ROWS)  # compiles rehash
+    store.row((1, 2, 3))
+    SuffixAutomaton(np.arange(3 * SuffixAutomaton.INITIAL_TOKENS) % 7).continuation(4)  # + rehash
+    return time.perf_counter() - t0

@@ -1,0 +1,185 @@
+"""The three memories: U (persistent, per salt partition), C and G (request-local).
+
+A row is K token ids and a distribution over them (softmax of the kept top-K logits). Rows are
+written by the compiled kernels in ``_kernels.py``; this module owns the arrays, their growth
+and their lifetimes. Layout and key packing are described in ``_kernels.py``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from vllm_recap.core import _kernels as kernels
+
+
+def _decode(rec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    k = (rec.shape[0] - 1) // 2
+    return rec[:k].astype(np.int64), rec[k : 2 * k].copy()
+
+
+class UnigramTable:
+    """U: one dense row per vocabulary entry, keyed by the context's last token.
+
+    Dense because it is bounded by the vocabulary anyway and a lookup is then one index, no
+    hashing: vocab * (8 K + 4) bytes (~3.3 MB for vocab 49152, K = 8).
+
+    Attributes:
+        rows: [vocab, 2K + 1] float32 records (ids | probs | conf), conf = -1 where no row was
+            written yet.
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self, vocab_size: int, k: int) -> None:
+        self.rows = np.zeros((vocab_size, 2 * k + 1), np.float32)
+        self.rows[:, 2 * k] = -1.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+    @property
+    def num_rows(self) -> int:
+        return int(np.count_nonzero(self.rows[:, -1] >= 0))
+
+    def row(self, token: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids [K] int64, probs [K] float32) stored for `token`, or None."""
+        if self.rows[token, -1] < 0:
+            return None
+        return _decode(self.rows[token])
+
+
+class ContextStore:
+    """C (last 2 tokens) and G (last 3 tokens) rows of one request, in one hash table.
+
+    Rows live inline in the table (one record per slot), so a lookup touches the key's cache
+    line and the record's, nothing else. The table grows on demand from a small allocation up
+    to `max_rows` keys at load factor <= 0.5; at the cap the oldest-inserted key is evicted
+    (an overwrite keeps the key's age): recency matters more than the first prompt rows.
+    """
+
+    INITIAL_ROWS = 256
+
+    __slots__ = ("max_rows", "tkeys", "tvals", "ring", "meta")
+
+    def __init__(self, k: int, max_rows: int) -> None:
+        self.max_rows = max_rows
+        n_rows = min(max_rows, self.INITIAL_ROWS)
+        self.tkeys, self.tvals = self._table(k, n_rows)
+        self.ring = np.zeros(n_rows, np.int64)
+        self.meta = np.zeros(2, np.int64)  # (rows used, next ring slot to evict once full)
+
+    @staticmethod
+    def _table(k: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        size = 1
+        while size < 2 * n_rows:  # load factor <= 0.5 keeps linear probes short
+            size *= 2
+        return np.full(size, kernels.EMPTY, np.int64), np.zeros((size, 2 * k + 1), np.float32)
+
+    def reserve(self, n_new: int) -> None:
+        """Makes room for `n_new` new keys, growing (never past max_rows) if needed."""
+        count = int(self.meta[0])
+        n_rows = self.ring.shape[0]
+        if count + n_new <= n_rows or n_rows >= self.max_rows:
+            return
+        # Before the cap no key was ever evicted, so the ring is exactly ring[:count].
+        new_rows = min(self.max_rows, max(2 * n_rows, count + n_new))
+        tkeys, tvals = self._table((self.tvals.shape[1] - 1) // 2, new_rows)
+        kernels.rehash(self.tkeys, self.tvals, tkeys, tvals)
+        ring = np.zeros(new_rows, np.int64)
+        ring[:count] = self.ring[:count]
+        self.tkeys, self.tvals, self.ring = tkeys, tvals, ring
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(tkeys, tvals, ring, meta) as the kernels take them."""
+        return self.tkeys, self.tvals, self.ring, self.meta
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.meta[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.tkeys.nbytes + self.tvals.nbytes + self.ring.nbytes
+
+    def row(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids [K], probs [K]) stored for a 2-token (C) or 3-token (G) context, or None."""
+        if len(context) == 2:
+            key = -((int(context[0]) << 21) | int(context[1])) - 2
+        elif len(context) == 3:
+            key = (int(context[0]) << 42) | (int(context[1]) << 21) | int(context[2])
+        else:
+            raise ValueError(f"context must have 2 (C) or 3 (G) tokens, got {len(context)}")
+        slot = kernels.context_slot(self.tkeys, key)
+        return None if slot < 0 else _decode(self.tvals[slot])
+
+
+def empty_context_arrays(k: int) -> tuple[np.ndarray, ...]:
+    """Placeholder C/G arrays for kernels called with context memories off (never read)."""
+    return ContextStore(k, 16).arrays()
+
+
+class UnigramPartitions:
+    """Persistent U tables, one per partition key (cache_salt), LRU-bounded.
+
+    A request keeps a reference to its table, so evicting a partition never disturbs a running
+    request; new requests with that salt start from a fresh table. Memory is thus bounded by
+    `max_partitions` tables plus those held by running requests of evicted salts.
+    """
+
+    def __init__(self, vocab_size: int, k: int, max_partitions: int) -> None:
+        self.vocab_size = vocab_size
+        self.k = k
+        self.max_partitions = max_partitions
+        self._tables: OrderedDict[Hashable, UnigramTable] = OrderedDict()
+
+    def get(self, salt: Hashable) -> UnigramTable:
+        """The table for `salt`, created (evicting the least recently used) if absent."""
+        table = self._tables.get(salt)
+        if table is not None:
+            self._tables.move_to_end(salt)
+            return table
+        table = UnigramTable(self.vocab_size, self.k)
+        self._tables[salt] = table
+        while len(self._tables) > self.max_partitions:
+            self._tables.popitem(last=False)
+        return table
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def __contains__(self, salt: Hashable) -> bool:
+        return salt in self._tables
+
+    def tables(self) -> list[UnigramTable]:
+        return list(self._tables.values())
+
+
+def topk_rows_from_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Memory rows from full logits: the top-k ids and the softmax over those k logits.
+
+    Args:
+        logits: [n, vocab] float.
+        k: ids kept per row (<= vocab).
+
+    Returns:
+        ids [n, k] int64 by logit descending (ties: lower id first), probs [n, k] float32.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.ndim != 2 or not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"logits must be [n, vocab] with vocab >= k={k}, got {logits.shape}")
+    part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    # argpartition breaks ties arbitrarily; re-select deterministically among the tied values.
+    kth = np.take_along_axis(logits, part, axis=1).min(axis=1, keepdims=True)
+    ids = np.empty((logits.shape[0], k), np.int64)
+    for i in range(logits.shape[0]):
+        above = np.flatnonzero(logits[i] > kth[i, 0])
+        ties = np.flatnonzero(logits[i] == kth[i, 0])[: k - above.size]
+        cand = np.concatenate([above, ties])
+        ids[i] = cand[np.lexsort((cand, -logits[i, cand]))]
+    kept = np.take_along_axis(logits, ids, axis=1)
+    e = np.exp(kept - kept[:, :1])
+    return ids, (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
