@@ -14,7 +14,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["vllm_recap", "vllm_recap.*"]),
+    # The seams into vLLM internals live in the top-level patches/ folder and install as
+    # vllm_recap.patches (a bare top-level "patches" package would be a global name clash).
+    packages=find_packages(include=["vllm_recap", "vllm_recap.*"]) + ["vllm_recap.patches"],
+    package_dir={"vllm_recap.patches": "patches"},
     install_requires=[
         "numpy>=1.26",
         "numba>=0.60",  # the core's hot loops (tree builder, memory updates)

@@ -1,8 +1,8 @@
 """vLLM ``general_plugins`` entry point (``recap``).
 
 vLLM calls :func:`register` once in every process it starts (front end, engine core, each
-worker). It must stay cheap and must not import vLLM modules that are not yet importable at
-that point; the heavy wiring is done lazily by :mod:`vllm_recap.vllm`.
+worker), before it builds the speculative config. It must stay cheap; the heavy wiring is
+done lazily by :mod:`vllm_recap.vllm`.
 """
 from __future__ import annotations
 
@@ -27,12 +27,21 @@ def check_vllm_version(version: str) -> None:
 
 
 def register() -> None:
-    """Entry point: check the vLLM version and log once per process."""
+    """Entry point: check the vLLM version, install the request-path seams, log once.
+
+    The seams act only for engines configured with ``{"method": "recap"}``; the runner and
+    attention seams are installed later, by the proposer, in the worker that uses it.
+    """
     global _registered
     if _registered:
         return
     import vllm
 
     check_vllm_version(vllm.__version__)
+    from vllm_recap.patches import kernel_scan, requests, speculative_method
+
+    kernel_scan.install()  # before the worker's kernel-override scan (see the module)
+    speculative_method.install()
+    requests.install()
     _registered = True
     logger.info("vllm-recap plugin loaded (vLLM %s)", vllm.__version__)

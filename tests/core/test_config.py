@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_recap.core import FusionMode, Policy, RecapConfig, TreeShape
+from vllm_recap.core import DraftMode, FusionMode, Policy, RecapConfig, TreeShape
 
 pytestmark = pytest.mark.unit
 
@@ -45,6 +45,7 @@ def test_dict_round_trip() -> None:
         ("policy", "token_recycling", Policy.TOKEN_RECYCLING),
         ("policy", "RECAP", Policy.RECAP),
         ("tree_shape", "fixed", TreeShape.FIXED),
+        ("draft_mode", "chain", DraftMode.CHAIN),
     ],
 )
 def test_from_dict_accepts_enum_strings(key: str, value: str, expected: object) -> None:
@@ -106,6 +107,12 @@ def test_config_is_frozen() -> None:
          r"policy = 'eagle' is invalid: allowed values are \['recap', 'token_recycling'\]"),
         ("tree_shape", 3,
          r"tree_shape = 3 is invalid: allowed values are \['best_first', 'fixed'\]"),
+        ("draft_mode", "beam",
+         r"draft_mode = 'beam' is invalid: allowed values are \['tree', 'chain'\]"),
+        ("prompt_seed_rows", -1,
+         r"prompt_seed_rows = -1 is out of range: must be an int in \[0, 65536\]"),
+        ("batch_node_budget", -5,
+         r"batch_node_budget = -5 is out of range: must be an int in \[0, 1048576\]"),
     ],
 )
 def test_each_invalid_field_names_field_value_and_range(field: str, value: object,

@@ -2,7 +2,8 @@
 
 The public surface, engine-independent (numpy + numba only):
 
-    RecapConfig, FusionMode, Policy, TreeShape     configuration (config.py)
+    RecapConfig, DraftMode, FusionMode, Policy,    configuration (config.py)
+    TreeShape
     Drafter, warmup                                lifecycle API keyed by request id (drafter.py)
     DraftTree, tree_structure                      the flat tree type (tree.py)
     verify_greedy                                  reference greedy tree verification (verify.py)
@@ -11,7 +12,7 @@ The public surface, engine-independent (numpy + numba only):
     topk_rows_from_logits                          rows from full logits (memory.py)
 """
 
-from vllm_recap.core.config import FusionMode, Policy, RecapConfig, TreeShape
+from vllm_recap.core.config import DraftMode, FusionMode, Policy, RecapConfig, TreeShape
 from vllm_recap.core.drafter import Drafter, warmup
 from vllm_recap.core.fusion import fuse, row_confidence
 from vllm_recap.core.memory import topk_rows_from_logits
@@ -20,6 +21,7 @@ from vllm_recap.core.tree import DraftTree, tree_structure
 from vllm_recap.core.verify import verify_greedy
 
 __all__ = [
+    "DraftMode",
     "DraftTree",
     "Drafter",
     "FusionMode",

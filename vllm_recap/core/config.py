@@ -52,10 +52,21 @@ class TreeShape(enum.Enum):
     RECAP's fused q instead of the raw adjacency rows."""
 
 
+class DraftMode(enum.Enum):
+    """What an engine verifies per step."""
+
+    TREE = "tree"
+    """The whole draft tree, verified in one pass with tree attention (greedy requests)."""
+    CHAIN = "chain"
+    """Only the best path of the tree (the suffix path where it scores higher), verified as a
+    chain by the engine's own rejection sampler. Sampled requests always get this."""
+
+
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "fusion": FusionMode,
     "policy": Policy,
     "tree_shape": TreeShape,
+    "draft_mode": DraftMode,
 }
 _TUPLE_FIELDS = ("priors", "depth_discounts")
 
@@ -131,6 +142,19 @@ class RecapConfig:
     a dense [vocab, K] table: vocab * (8 K + 4) bytes, ~3.3 MB for vocab 49152 at K = 8.
     Range [1, 4096]."""
 
+    draft_mode: DraftMode = DraftMode.TREE
+    """Verify the whole tree (TREE) or its best path only (CHAIN); see DraftMode."""
+
+    prompt_seed_rows: int = 256
+    """Prompt positions per request whose top-K rows seed the memories at prefill (the first
+    occurrence of each distinct prompt token, in order); each costs one extra LM-head row in
+    the prefill step. 0 = no seeding. Range [0, 65536]."""
+
+    batch_node_budget: int = 0
+    """Draft nodes per engine step across all decoding requests: each request gets
+    min(node_budget, batch_node_budget // decoding requests), so verification cost stays
+    bounded as the batch grows. 0 = no batch limit. Range [0, 1048576]."""
+
     def __post_init__(self) -> None:
         # Accept enum values given by name/value and sequences given as lists, so that
         # `RecapConfig(fusion="uniform")` and JSON round trips work; then validate once.
@@ -156,6 +180,8 @@ class RecapConfig:
         _check_bool("use_context_memories", self.use_context_memories)
         _check_int("max_context_rows", self.max_context_rows, 16, 1 << 24)
         _check_int("max_partitions", self.max_partitions, 1, 4096)
+        _check_int("prompt_seed_rows", self.prompt_seed_rows, 0, 1 << 16)
+        _check_int("batch_node_budget", self.batch_node_budget, 0, 1 << 20)
         for name, enum_type in _ENUM_FIELDS.items():
             if not isinstance(getattr(self, name), enum_type):
                 raise ValueError(

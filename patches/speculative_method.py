@@ -1,0 +1,38 @@
+"""Seam: ``{"method": "recap", ...}`` in ``LLM(speculative_config=...)`` and ``vllm serve``.
+
+vLLM's SpeculativeConfig has a closed ``method`` literal and forbids unknown keys. Before vLLM
+builds it (``EngineArgs.create_speculative_config``, front-end process), a RECAP config is
+validated and translated to vLLM's ``custom_class`` method naming our proposer; the RECAP knobs
+travel to every worker in ``additional_config["recap"]``.
+"""
+from __future__ import annotations
+
+from vllm_recap.patches import wrap
+
+SEAM = "EngineArgs.create_speculative_config"
+
+
+def install() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_recap.vllm.options import translate
+
+    def make(original):
+        def create_speculative_config(self, target_model_config, target_parallel_config):
+            spec = self.speculative_config
+            if isinstance(spec, dict) and spec.get("method") == "recap":
+                device = getattr(getattr(self, "device", None), "type", None) or _platform()
+                self.speculative_config, recap = translate(spec, device)
+                self.additional_config = {**(self.additional_config or {}), "recap": recap}
+            return original(self, target_model_config, target_parallel_config)
+
+        return create_speculative_config
+
+    wrap(EngineArgs, "create_speculative_config", SEAM,
+         ["self", "target_model_config", "target_parallel_config"], make)
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"

@@ -1,0 +1,66 @@
+"""Translation of ``{"method": "recap", ...}`` into what vLLM's SpeculativeConfig accepts.
+
+Every key other than ``method`` and vLLM's own ``num_speculative_tokens`` is a RECAP knob
+(:class:`vllm_recap.core.config.RecapConfig`); unknown keys and bad values raise ValueError
+before any engine starts. Defaults that depend on the hardware are filled in here: the node
+budget is the paper's 63 on a GPU and a measured smaller value on a CPU, where verifying
+extra tokens is not nearly free (see README, "Choosing the node budget").
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_recap.core.config import DraftMode, RecapConfig
+from vllm_recap.vllm import PROPOSER_PATH
+
+# vLLM SpeculativeConfig keys that keep their vLLM meaning with method "recap".
+VLLM_KEYS = ("num_speculative_tokens",)
+
+# Hardware defaults for knobs the user did not set (measured: benchmarks/results/).
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"node_budget": 16, "batch_node_budget": 64},
+    "cuda": {"node_budget": 63, "batch_node_budget": 1024},
+}
+
+
+def translate(spec: dict[str, Any], device: str = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Validates a RECAP speculative config and returns (vLLM config, RECAP options).
+
+    Args:
+        spec: the user's dict, ``method`` == "recap".
+        device: "cpu" or "cuda", for hardware defaults.
+
+    Returns:
+        ``{"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": n}`` and
+        the full RECAP option dict (``RecapConfig.to_dict()``) for ``additional_config``.
+
+    Raises:
+        ValueError: unknown key (the message lists the valid ones) or a bad value (field,
+            value and allowed range).
+    """
+    knobs = {k.replace("-", "_"): v for k, v in spec.items() if k != "method"}
+    valid = RecapConfig.field_names()
+    unknown = sorted(k for k in knobs if k not in valid and k not in VLLM_KEYS)
+    if unknown:
+        raise ValueError(
+            f"Unknown key(s) {unknown} in speculative_config for method 'recap'. Valid keys: "
+            f"{', '.join(sorted(valid + list(VLLM_KEYS)))}.")
+    vllm_part = {k: knobs.pop(k) for k in VLLM_KEYS if k in knobs}
+    for key, value in DEVICE_DEFAULTS.get(device, DEVICE_DEFAULTS["cuda"]).items():
+        knobs.setdefault(key, value)
+    config = RecapConfig.from_dict(knobs)
+    needed = max_drafts(config)
+    n = vllm_part.get("num_speculative_tokens", needed)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(
+            f"speculative_config num_speculative_tokens = {n!r} is out of range: must be an int "
+            f">= 1 (it caps RECAP's draft nodes per request; default {needed}).")
+    return ({"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": n},
+            config.to_dict())
+
+
+def max_drafts(config: RecapConfig) -> int:
+    """Most draft tokens one request can propose in a step with this config."""
+    if config.draft_mode is DraftMode.CHAIN:
+        return config.max_depth
+    return max(1, config.node_budget + config.suffix_len)
