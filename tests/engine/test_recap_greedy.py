@@ -1,0 +1,132 @@
+"""RECAP in vLLM, greedy: output identical token for token to the same engine without
+speculation (float32), for chain and tree verification."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.harness import spec_counters
+from tests.conftest import make_llm
+from tests.engine.recap_support import generate_ids, oracle_drafts, recap_proposer
+from tests.images import make_image
+
+pytestmark = pytest.mark.engine
+
+MODES = ["tree", "chain"]
+
+
+def _params(n=32):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts(tiny_qwen2):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    texts = ["The quick brown fox", "1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3", "Once upon a time"]
+    return [tok(t)["input_ids"] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_qwen2, tiny_prompts):
+    with make_llm(tiny_qwen2) as llm:
+        return generate_ids(llm, tiny_prompts, _params())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_qwen2_identical(tiny_qwen2, tiny_prompts, tiny_reference, mode):
+    with make_llm(tiny_qwen2, speculative_config={"method": "recap", "draft_mode": mode}) as llm:
+        assert generate_ids(llm, tiny_prompts, _params()) == tiny_reference
+        assert spec_counters(llm)["drafts"] > 0
+
+
+def test_tree_with_accepted_off_chain_branches_compacts_kv(tiny_qwen2, tiny_prompts,
+                                                           tiny_reference, monkeypatch):
+    """Oracle drafts put the true path behind decoy siblings: KV compaction must run and the
+    output must still equal plain greedy decoding."""
+    refs = [p + r for p, r in zip(tiny_prompts, tiny_reference)]
+    with oracle_drafts(monkeypatch, refs, vocab=49152) as calls, \
+            make_llm(tiny_qwen2, speculative_config={"method": "recap"}) as llm:
+        out = generate_ids(llm, tiny_prompts, _params())
+        stats = recap_proposer(llm).stats
+        counters = spec_counters(llm)
+    assert out == tiny_reference
+    assert calls["off_chain"] > 0 and stats["kv_compactions"] > 0
+    assert counters["accepted_tokens"] / counters["drafts"] > 2  # the oracle is mostly right
+
+
+@pytest.fixture(scope="module")
+def vl_batch(tiny_qwen2_vl):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_qwen2_vl)
+    items = [("Describe this picture.", (64, 80)), ("What colour dominates?", (112, 56)),
+             ("Count the shapes, then list them.", (56, 56)), ("Is it day or night?", (84, 140))]
+    batch = []
+    for i, (question, size) in enumerate(items):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        batch.append({"prompt": text, "multi_modal_data": {"image": make_image(i, size)}})
+    return batch, processor.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>"])
+
+
+@pytest.fixture(scope="module")
+def vl_reference(tiny_qwen2_vl, vl_batch):
+    with make_llm(tiny_qwen2_vl, limit_mm_per_prompt={"image": 1, "video": 0}) as llm:
+        return generate_ids(llm, vl_batch[0], _params(24))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_vl_batch_of_images_identical(tiny_qwen2_vl, vl_batch, vl_reference, mode,
+                                           monkeypatch):
+    from vllm_recap.core.drafter import Drafter
+
+    proposed = []
+    original = Drafter.propose
+
+    def recording(self, req_id, node_budget=None, max_depth=None):
+        tree = original(self, req_id, node_budget, max_depth)
+        proposed.extend(tree.draft_tokens.tolist())
+        return tree
+
+    monkeypatch.setattr(Drafter, "propose", recording)
+    spec = {"method": "recap", "draft_mode": mode}
+    with make_llm(tiny_qwen2_vl, limit_mm_per_prompt={"image": 1, "video": 0},
+                  speculative_config=spec) as llm:
+        assert generate_ids(llm, vl_batch[0], _params(24)) == vl_reference
+        assert sorted(recap_proposer(llm).blocked)[:2] == sorted(vl_batch[1])[:2] or \
+            set(vl_batch[1]) <= set(recap_proposer(llm).blocked)
+    assert proposed, "RECAP proposed nothing"
+    assert not set(proposed) & set(vl_batch[1]), "an image placeholder token was drafted"
+
+
+@pytest.fixture(scope="module")
+def spec_bench_prompts_smollm2(smollm2):
+    from transformers import AutoTokenizer
+
+    from benchmarks.workloads import spec_bench_prompts
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompts = spec_bench_prompts(tok, 2, max_prompt_tokens=700)
+    assert len(prompts) >= 20 and len({p.category for p in prompts}) >= 10
+    return [p.token_ids for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2, spec_bench_prompts_smollm2):
+    with make_llm(smollm2) as llm:
+        return generate_ids(llm, spec_bench_prompts_smollm2, _params(48))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_smollm2_spec_bench_identical(smollm2, spec_bench_prompts_smollm2, smollm2_reference, mode):
+    with make_llm(smollm2, speculative_config={"method": "recap", "draft_mode": mode}) as llm:
+        out = generate_ids(llm, spec_bench_prompts_smollm2, _params(48))
+        counters = spec_counters(llm)
+        stats = recap_proposer(llm).stats
+    mismatched = [i for i, (a, b) in enumerate(zip(out, smollm2_reference)) if a != b]
+    assert not mismatched, f"outputs differ for prompts {mismatched}"
+    assert counters["accepted_tokens"] > 0
+    assert stats["seeded_rows"] > 0
