@@ -50,11 +50,18 @@ def test_tree_with_accepted_off_chain_branches_compacts_kv(tiny_qwen2, tiny_prom
     with oracle_drafts(monkeypatch, refs, vocab=49152) as calls, \
             make_llm(tiny_qwen2, speculative_config={"method": "recap"}) as llm:
         out = generate_ids(llm, tiny_prompts, _params())
-        stats = recap_proposer(llm).stats
+        proposer = recap_proposer(llm)
+        stats, tree = proposer.stats, proposer.metrics.snapshot()
         counters = spec_counters(llm)
+        per_pos = next(m.values for m in llm.get_metrics()
+                       if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos")
     assert out == tiny_reference
     assert calls["off_chain"] > 0 and stats["kv_compactions"] > 0
     assert counters["accepted_tokens"] / counters["drafts"] > 2  # the oracle is mostly right
+    # vLLM's chain counters stay consistent with trees wider than its chain positions
+    assert len(per_pos) == proposer.num_spec_tokens and sum(per_pos) == counters["accepted_tokens"]
+    assert tree["acceptance_length"] == pytest.approx(1 + counters["accepted_tokens"] / counters["drafts"])
+    assert tree["per_depth_acceptance"][0] > 0.9
 
 
 @pytest.fixture(scope="module")

