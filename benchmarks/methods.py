@@ -7,6 +7,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 METHODS: dict[str, dict | None] = {
     "none": None,
     "ngram": NGRAM,
+    "recap-chain": {"method": "recap", "draft_mode": "chain"},
+    "recap-tree": {"method": "recap"},
 }
 
 

@@ -12,7 +12,14 @@ The public surface, engine-independent (numpy + numba only):
     topk_rows_from_logits                          rows from full logits (memory.py)
 """
 
-from vllm_recap.core.config import DraftMode, FusionMode, Policy, RecapConfig, TreeShape
+from vllm_recap.core.config import (
+    BudgetPolicy,
+    DraftMode,
+    FusionMode,
+    Policy,
+    RecapConfig,
+    TreeShape,
+)
 from vllm_recap.core.drafter import Drafter, warmup
 from vllm_recap.core.fusion import fuse, row_confidence
 from vllm_recap.core.memory import topk_rows_from_logits
@@ -21,6 +28,7 @@ from vllm_recap.core.tree import DraftTree, tree_structure
 from vllm_recap.core.verify import verify_greedy
 
 __all__ = [
+    "BudgetPolicy",
     "DraftMode",
     "DraftTree",
     "Drafter",

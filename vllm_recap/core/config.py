@@ -62,11 +62,23 @@ class DraftMode(enum.Enum):
     chain by the engine's own rejection sampler. Sampled requests always get this."""
 
 
+class BudgetPolicy(enum.Enum):
+    """How many tree nodes each step verifies."""
+
+    ADAPTIVE = "adaptive"
+    """Per step, the count (up to node_budget) that maximises expected committed tokens per
+    second, from step costs measured on this machine and acceptance calibrated online
+    (vllm_recap/core/budget.py). Includes 0, so it stops speculating where that is faster."""
+    FIXED = "fixed"
+    """Always node_budget (still capped by batch_node_budget)."""
+
+
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "fusion": FusionMode,
     "policy": Policy,
     "tree_shape": TreeShape,
     "draft_mode": DraftMode,
+    "budget_policy": BudgetPolicy,
 }
 _TUPLE_FIELDS = ("priors", "depth_discounts")
 
@@ -144,6 +156,9 @@ class RecapConfig:
 
     draft_mode: DraftMode = DraftMode.TREE
     """Verify the whole tree (TREE) or its best path only (CHAIN); see DraftMode."""
+
+    budget_policy: BudgetPolicy = BudgetPolicy.ADAPTIVE
+    """Nodes verified per step: ADAPTIVE (measured cost vs calibrated gain) or FIXED."""
 
     prompt_seed_rows: int = 256
     """Prompt positions per request whose top-K rows seed the memories at prefill (the first

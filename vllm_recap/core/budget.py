@@ -1,0 +1,196 @@
+"""How many draft nodes to verify per step: a measured cost model against calibrated gains.
+
+Verifying more tree nodes costs target time; on a large GPU model almost nothing up to ~64
+tokens, on a 2-core CPU a lot (the matrix kernels fall off a cliff between 1 and 2 rows). A
+fixed budget is therefore right on one machine and wrong on the next, and wrong again as the
+batch grows. The controller picks, every step, the per-request node count ``b`` that
+maximises expected committed tokens per second of engine time:
+
+    throughput(b) = sum_r (1 + E_r(b)) / T(fixed + sum_r (1 + b))
+
+- ``T(n)``: seconds of one engine step that runs ``n`` tokens, learned online from the steps
+  actually run (:class:`StepCostModel`). Unmeasured sizes are assumed to cost what the nearest
+  smaller measured size costs (optimism), so larger budgets get tried, measured, and dropped
+  if they do not pay; a size is re-measured now and then, since machines and loads drift.
+- ``E_r(b)``: expected accepted tokens if request r verifies the first ``b`` nodes of its tree
+  (layout order, parents first). Each node contributes P(node accepted), estimated from its
+  builder score times a per-depth calibration factor learned from verified steps
+  (:class:`AcceptanceCalibration`). Summing P(node accepted) over nodes gives the expected
+  accepted length exactly, because at most one node per depth is accepted.
+
+``b = 0`` (no speculation) is always a candidate, which is what keeps the policy from being
+slower than plain decoding once its estimates are measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_recap.core.tree import DraftTree, tree_structure
+
+# Candidate per-request node counts (the controller also caps them at the configured budget).
+LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+MAX_DEPTH = 64
+
+
+class StepCostModel:
+    """Seconds per engine step as a function of the tokens it runs.
+
+    Args:
+        ema: weight of a new measurement in the per-size moving average.
+        stale_after: a size measured this many steps ago is due for re-measurement.
+    """
+
+    def __init__(self, ema: float = 0.25, stale_after: int = 64) -> None:
+        self.ema = ema
+        self.stale_after = stale_after
+        self._mean: dict[int, float] = {}
+        self._last: dict[int, int] = {}
+        self.steps = 0
+
+    @staticmethod
+    def bucket(num_tokens: int) -> int:
+        """Sizes up to 16 exactly; larger ones in ~12% wide buckets (the cost changes slowly)."""
+        if num_tokens <= 16:
+            return num_tokens
+        return int(round(16 * 1.125 ** round(np.log(num_tokens / 16) / np.log(1.125))))
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Records one step that ran ``num_tokens`` tokens in ``seconds``."""
+        self.steps += 1
+        if num_tokens <= 0 or not np.isfinite(seconds) or seconds <= 0:
+            return
+        key = self.bucket(num_tokens)
+        old = self._mean.get(key)
+        self._mean[key] = seconds if old is None else old + self.ema * (seconds - old)
+        self._last[key] = self.steps
+
+    def estimate(self, num_tokens: int) -> float | None:
+        """Expected seconds for a step of ``num_tokens`` tokens (None before any measurement).
+
+        Measured sizes use their average; others the largest measured smaller size (optimistic
+        flat extrapolation), else the smallest measured larger size. Estimates are made
+        monotone in size: a step with more tokens never looks cheaper than one with fewer.
+        """
+        if not self._mean:
+            return None
+        num_tokens = self.bucket(num_tokens)
+        sizes = sorted(self._mean)
+        below = [s for s in sizes if s <= num_tokens]
+        value = max(self._mean[s] for s in below) if below else self._mean[sizes[0]]
+        return value
+
+    def is_stale(self, num_tokens: int) -> bool:
+        """True if this size was never measured or not for ``stale_after`` steps."""
+        last = self._last.get(self.bucket(num_tokens))
+        return last is None or self.steps - last > self.stale_after
+
+
+class AcceptanceCalibration:
+    """Maps builder scores to acceptance probabilities, one factor per depth.
+
+    Builder scores are products of fused probabilities and per-depth discounts, so they rank
+    nodes well but are not probabilities. For depth d, ``factor[d] = accepted[d] /
+    score_mass[d]`` over recent verified trees (exponentially decayed), where accepted[d]
+    counts steps that accepted a node at depth d and score_mass[d] sums the scores of the
+    verified nodes at depth d. A prior of ``prior_mass`` pseudo-score at ratio ``prior[d]``
+    (undoing the discounts) keeps early estimates sane.
+    """
+
+    def __init__(self, depth_discounts: tuple[float, ...], prior_mass: float = 2.0,
+                 decay: float = 0.995) -> None:
+        disc = np.array([depth_discounts[min(d, len(depth_discounts)) - 1]
+                         for d in range(1, MAX_DEPTH + 1)])
+        self.prior = np.concatenate([[1.0], 1.0 / np.cumprod(disc)])  # [MAX_DEPTH + 1]
+        self.prior_mass = prior_mass
+        self.decay = decay
+        self.accepted = np.zeros(MAX_DEPTH + 1)
+        self.mass = np.zeros(MAX_DEPTH + 1)
+
+    def factors(self) -> np.ndarray:
+        """[MAX_DEPTH + 1] score -> probability factor per depth (index 0 unused)."""
+        return (self.accepted + self.prior_mass * self.prior) / (self.mass + self.prior_mass)
+
+    def observe(self, depths: np.ndarray, scores: np.ndarray, num_accepted: int) -> None:
+        """One verified tree: node depths/scores (root included) and tokens accepted."""
+        self.accepted *= self.decay
+        self.mass *= self.decay
+        d = np.minimum(depths[1:], MAX_DEPTH)
+        np.add.at(self.mass, d, scores[1:])
+        self.accepted[1:min(num_accepted, MAX_DEPTH) + 1] += 1.0
+
+    def node_probabilities(self, depths: np.ndarray, parents: np.ndarray,
+                           scores: np.ndarray) -> np.ndarray:
+        """[n] estimated P(node accepted), root 1; never above the parent's probability."""
+        p = np.minimum(1.0, self.factors()[np.minimum(depths, MAX_DEPTH)] * scores)
+        p[0] = 1.0
+        for i in range(1, len(p)):
+            p[i] = min(p[i], p[parents[i]])
+        return p
+
+
+class BudgetController:
+    """Chooses the per-request node count of each step (see the module docstring).
+
+    Args:
+        max_budget: most draft nodes per request (the configured node budget + suffix).
+        depth_discounts: the builder's discounts (prior for the calibration).
+    """
+
+    def __init__(self, max_budget: int, depth_discounts: tuple[float, ...]) -> None:
+        self.levels = sorted({b for b in LEVELS if b <= max_budget} | {max_budget})
+        self.cost = StepCostModel()
+        self.calibration = AcceptanceCalibration(depth_discounts)
+        self.last_choice = 0
+
+    def expected_gains(self, tree: DraftTree) -> np.ndarray:
+        """[n] cumulative expected accepted tokens when verifying the first k nodes (k = index)."""
+        depths = tree_structure(tree.parents)[0]
+        p = self.calibration.node_probabilities(depths, tree.parents, tree.scores)
+        p[0] = 0.0
+        return np.cumsum(p)
+
+    def choose(self, trees: list[DraftTree], fixed_tokens: int) -> int:
+        """Per-request node count for this step.
+
+        Args:
+            trees: the proposed trees of the decoding requests (full budget).
+            fixed_tokens: tokens the step runs regardless (prefill chunks of other requests).
+
+        Returns:
+            b: verify the first b draft nodes of every tree (fewer if a tree is smaller).
+        """
+        if not trees:
+            return 0
+        gains = [self.expected_gains(t) for t in trees]
+        sizes = np.array([t.num_drafts for t in trees])
+        base_tokens = fixed_tokens + len(trees)
+        candidates = []  # (level, tokens, rate)
+        previous = -1
+        for b in self.levels:
+            used = np.minimum(sizes, b)
+            if int(used.sum()) == previous:
+                break  # every tree is smaller than this level: nothing new to verify
+            previous = int(used.sum())
+            tokens = base_tokens + previous
+            seconds = self.cost.estimate(tokens)
+            if seconds is None:  # nothing measured yet: measure plain decoding first
+                return 0
+            value = len(trees) + sum(float(g[u]) for g, u in zip(gains, used))
+            candidates.append((b, tokens, value / seconds))
+        best = max(candidates, key=lambda c: c[2])
+        choice = best[0]
+        # Now and then re-measure the next size up when its measurement is missing or old.
+        if self.cost.steps % 8 == 0:
+            above = [c for c in candidates if c[0] > choice]
+            if above and self.cost.is_stale(above[0][1]):
+                choice = above[0][0]
+        self.last_choice = choice
+        return choice
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.cost.observe(num_tokens, seconds)
+
+    def observe_tree(self, parents: np.ndarray, scores: np.ndarray, num_accepted: int) -> None:
+        if len(parents) > 1:
+            self.calibration.observe(tree_structure(parents)[0], scores, num_accepted)
