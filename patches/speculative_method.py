@@ -12,15 +12,24 @@ from vllm_recap.patches import wrap
 SEAM = "EngineArgs.create_speculative_config"
 
 
-def install() -> None:
+def install(refusal: str | None = None) -> None:
+    """Installs the translation; with ``refusal``, a RECAP config raises it instead.
+
+    Args:
+        refusal: why RECAP cannot run here (unsupported vLLM, a seam that does not fit).
+    """
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_recap.vllm.options import translate
+    state["refusal"] = refusal
 
     def make(original):
         def create_speculative_config(self, target_model_config, target_parallel_config):
             spec = self.speculative_config
             if isinstance(spec, dict) and spec.get("method") == "recap":
+                if state["refusal"] is not None:
+                    raise RuntimeError(state["refusal"])
+                from vllm_recap.vllm.options import translate
+
                 device = getattr(getattr(self, "device", None), "type", None) or _platform()
                 self.speculative_config, recap = translate(spec, device)
                 self.additional_config = {**(self.additional_config or {}), "recap": recap}
@@ -30,6 +39,10 @@ def install() -> None:
 
     wrap(EngineArgs, "create_speculative_config", SEAM,
          ["self", "target_model_config", "target_parallel_config"], make)
+
+
+# Shared by the installed wrapper (installs are idempotent; a later install may arm a refusal).
+state: dict[str, str | None] = {"refusal": None}
 
 
 def _platform() -> str:

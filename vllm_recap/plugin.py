@@ -27,21 +27,36 @@ def check_vllm_version(version: str) -> None:
 
 
 def register() -> None:
-    """Entry point: check the vLLM version, install the request-path seams, log once.
+    """Entry point: install the request-path seams and log once per process.
 
-    The seams act only for engines configured with ``{"method": "recap"}``; the runner and
-    attention seams are installed later, by the proposer, in the worker that uses it.
+    The plugin loads in every vLLM process, including engines that never use RECAP, so it
+    must not break them: with a vLLM release the seams were not written for it only arms the
+    method translation to refuse ``{"method": "recap"}`` with a message naming the version
+    (and logs a warning), and a seam that does not fit is reported the same way. The seams
+    act only for engines configured with RECAP; the runner and attention seams are installed
+    later, by the proposer, in the worker that uses it.
     """
     global _registered
     if _registered:
         return
+    _registered = True
     import vllm
 
-    check_vllm_version(vllm.__version__)
-    from vllm_recap.patches import kernel_scan, requests, speculative_method
+    from vllm_recap.patches import SeamError, kernel_scan, requests, speculative_method
 
-    kernel_scan.install()  # before the worker's kernel-override scan (see the module)
-    speculative_method.install()
-    requests.install()
-    _registered = True
-    logger.info("vllm-recap plugin loaded (vLLM %s)", vllm.__version__)
+    version = vllm.__version__
+    try:
+        check_vllm_version(version)
+    except RuntimeError as exc:
+        logger.warning("%s {'method': 'recap'} will be refused.", exc)
+        speculative_method.install(refusal=str(exc))
+        return
+    try:
+        kernel_scan.install()  # before the worker's kernel-override scan (see the module)
+        speculative_method.install()
+        requests.install()
+    except SeamError as exc:
+        logger.warning("%s {'method': 'recap'} will be refused.", exc)
+        speculative_method.install(refusal=str(exc))
+        return
+    logger.info("vllm-recap plugin loaded (vLLM %s)", version)
