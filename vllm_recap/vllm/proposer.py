@@ -76,7 +76,8 @@ class RecapProposer:
         self.pending: dict[str, _Pending] = {}
         self.plan: StepPlan | None = None
         self.rows = None  # (ids, probs, node_tokens) of the current step
-        self.stats = {"steps": 0, "tree_requests": 0, "kv_compactions": 0, "seeded_rows": 0}
+        self.stats = {"steps": 0, "tree_requests": 0, "kv_compactions": 0, "seeded_rows": 0,
+                      "seed_seconds": 0.0}
         self.metrics = TreeMetrics()
         self.adaptive = self.config.budget_policy is BudgetPolicy.ADAPTIVE
         self.budget = BudgetController(self.num_spec_tokens, self.config.depth_discounts)
@@ -304,9 +305,11 @@ class RecapProposer:
                 pend.num_seeded += len(positions)
         if not picks:
             return
+        t0 = time.perf_counter()
         rows = torch.from_numpy(np.concatenate(picks))
         logits = self.model.compute_logits(hidden_states[rows])
         ids, probs = topk_rows(logits, self.config.top_k)
+        self.stats["seed_seconds"] += time.perf_counter() - t0
         offset = 0
         for pend, pos_arr in owners:
             m = len(pos_arr)
