@@ -7,7 +7,6 @@ sha256.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 from pathlib import Path
 
@@ -51,13 +50,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path, bos_fix: bool = False) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(dequantized.state_dict())
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
     if bos_fix:
-        # Gemma's GGUF tokenizer does not add <bos>; without it the output is garbage.
-        cfg_path = out_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["add_bos_token"] = True
-        cfg_path.write_text(json.dumps(cfg, indent=1))
+        # Gemma's GGUF tokenizer does not add <bos>; without it the output is garbage. The
+        # flag must reach the fast tokenizer's post-processor, not only tokenizer_config.json.
+        tokenizer.add_bos_token = True
+        if hasattr(tokenizer, "update_post_processor"):
+            tokenizer.update_post_processor()
+    tokenizer.save_pretrained(out_dir)
 
 
 def smollm2_path() -> Path:
@@ -82,4 +81,5 @@ def gemma3_path() -> Path:
         gguf.parent.rmdir()
 
     del pkg
-    return cached_build("gemma-3-270m-bf16", sha, build)
+    # "-v2": entries converted before the <bos> fix reached the post-processor are not reused.
+    return cached_build("gemma-3-270m-bf16-v2", sha, build)
