@@ -29,10 +29,12 @@ def tree_attention(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tens
     kvh = k_tree.shape[1]
     g = h // kvh
     p = k_prefix.shape[0]
-    keys = torch.cat([k_prefix, k_tree]).float().permute(1, 0, 2)  # [KVH, S, D]
-    values = torch.cat([v_prefix, v_tree]).float().permute(1, 0, 2)
-    qf = q.float().view(n, kvh, g, d).permute(1, 2, 0, 3)  # [KVH, G, n, D]
-    scores = torch.matmul(qf, keys.unsqueeze(1).transpose(-1, -2)) * scale  # [KVH, G, n, S]
+    # One batched matmul per KV head: the G query heads sharing it are folded into rows
+    # (row = head-in-group * n + node), so K/V are never expanded per query head.
+    keys = torch.cat([k_prefix, k_tree]).float().transpose(0, 1)  # [KVH, S, D]
+    values = torch.cat([v_prefix, v_tree]).float().transpose(0, 1)
+    qf = q.float().view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
+    scores = torch.bmm(qf, keys.transpose(1, 2)).mul_(scale)  # [KVH, G*n, S]
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     allowed = torch.ones(n, p + n, dtype=torch.bool, device=q.device)
@@ -42,7 +44,7 @@ def tree_attention(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tens
         key_pos = torch.arange(p + n, device=q.device)
         key_pos[p:] = node_positions
         allowed &= key_pos[None, :] > (node_positions[:, None] - sliding_window)
-    scores.masked_fill_(~allowed, float("-inf"))
+    scores.masked_fill_(~allowed.repeat(g, 1), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.unsqueeze(1))  # [KVH, G, n, D]
-    return out.permute(2, 0, 1, 3).reshape(n, h, d).to(q.dtype)
+    out = torch.bmm(probs, values)  # [KVH, G*n, D]
+    return out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, h, d).to(q.dtype)
