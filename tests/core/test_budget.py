@@ -19,7 +19,7 @@ def chain_tree(n: int, score: float) -> DraftTree:
     return DraftTree(np.arange(n + 1), np.arange(-1, n), scores)
 
 
-def test_cost_model_buckets_averages_and_extrapolates_optimistically():
+def test_cost_model_buckets_averages_interpolates_and_extrapolates_optimistically():
     m = StepCostModel(ema=0.5)
     assert m.estimate(5) is None
     m.observe(1, 0.10)
@@ -27,9 +27,20 @@ def test_cost_model_buckets_averages_and_extrapolates_optimistically():
     assert m.estimate(1) == pytest.approx(0.15)
     assert m.estimate(9) == pytest.approx(0.15)  # unmeasured larger size: as cheap as smaller
     m.observe(9, 0.30)
-    assert m.estimate(12) == pytest.approx(0.30) and m.estimate(4) == pytest.approx(0.15)
+    assert m.estimate(12) == pytest.approx(0.30)  # beyond the largest: as cheap as it
+    assert m.estimate(5) == pytest.approx(0.225)  # between measured sizes: interpolated
+    m.observe(3, 0.05)  # noise below a cheaper size does not make estimates non-monotone
+    assert m.estimate(3) == pytest.approx(0.15) and m.estimate(2) == pytest.approx(0.15)
     assert StepCostModel.bucket(100) == StepCostModel.bucket(103)
     assert m.is_stale(4) and not m.is_stale(9)
+
+
+def test_a_measured_prefill_size_does_not_make_drafting_look_free_under_load():
+    """16 decoding requests; a prefill step of 200 tokens measured, 32 tokens never: the
+    cost of 16 + 16 drafts is interpolated, not taken from 16 tokens (which chose drafts)."""
+    ctl = _controller_after({16: 0.10, 200: 1.0}, accept=0.3)
+    trees = [chain_tree(16, 0.3) for _ in range(16)]
+    assert ctl.choose(trees, fixed_tokens=0) == 0
 
 
 def test_calibration_prior_undoes_discounts_and_learns():

@@ -107,3 +107,17 @@ def test_compaction_skips_acceptance_already_in_place():
     plan.kv_stash.append((impl, "L0", None, 1, torch.zeros(7, 1, 2), torch.zeros(7, 1, 2),
                           torch.arange(7)))
     assert compact_kv(plan, {1: np.array([1])}) == 0 and impl.calls == []
+
+
+def test_next_prefill_tokens_counts_what_is_left_of_chunked_prompts():
+    from vllm_recap.vllm.proposer import next_prefill_tokens
+
+    # a: decoding; b: 300 of a 1000-token prompt done, 256 scheduled now; c: last chunk now
+    plan = build_plan(["a", "b", "c"], np.array([1, 256, 40]), np.array([0, 1, 257, 297]), {}, {})
+    plan.num_computed = np.array([50, 300, 60])
+    plan.num_prompt = np.array([20, 1000, 100])
+    assert next_prefill_tokens(plan) == 296  # b has 444 left; capped at this step's 256 + 40
+    plan.num_computed = np.array([50, 700, 60])
+    assert next_prefill_tokens(plan) == 44  # b's last chunk: 1000 - 700 - 256
+    plan.num_computed = None  # no prompt bookkeeping: assume decodes only
+    assert next_prefill_tokens(plan) == 0

@@ -9,9 +9,12 @@ maximises expected committed tokens per second of engine time:
     throughput(b) = sum_r (1 + E_r(b)) / T(fixed + sum_r (1 + b))
 
 - ``T(n)``: seconds of one engine step that runs ``n`` tokens, learned online from the steps
-  actually run (:class:`StepCostModel`). Unmeasured sizes are assumed to cost what the nearest
-  smaller measured size costs (optimism), so larger budgets get tried, measured, and dropped
-  if they do not pay; a size is re-measured now and then, since machines and loads drift.
+  actually run (:class:`StepCostModel`). An unmeasured size between two measured ones is
+  interpolated linearly (under load, steps with prefill chunks measure large sizes early, and
+  calling everything below them as cheap as the smallest size made drafting look free); one
+  above every measured size costs what the largest does (optimism), so larger budgets get
+  tried, measured, and dropped if they do not pay. A size is re-measured now and then, since
+  machines and loads drift.
 - ``E_r(b)``: expected accepted tokens if request r verifies the first ``b`` nodes of its tree
   (layout order, parents first). Each node contributes P(node accepted), estimated from its
   builder score times a per-depth calibration factor learned from verified steps
@@ -68,17 +71,17 @@ class StepCostModel:
     def estimate(self, num_tokens: int) -> float | None:
         """Expected seconds for a step of ``num_tokens`` tokens (None before any measurement).
 
-        Measured sizes use their average; others the largest measured smaller size (optimistic
-        flat extrapolation), else the smallest measured larger size. Estimates are made
-        monotone in size: a step with more tokens never looks cheaper than one with fewer.
+        Measured sizes use their average, made monotone (a size never looks cheaper than a
+        smaller measured one); sizes between two measured ones are interpolated linearly;
+        sizes beyond the largest measured one cost what it costs (optimistic, so they get
+        tried) and sizes below the smallest cost what the smallest costs.
         """
         if not self._mean:
             return None
-        num_tokens = self.bucket(num_tokens)
-        sizes = sorted(self._mean)
-        below = [s for s in sizes if s <= num_tokens]
-        value = max(self._mean[s] for s in below) if below else self._mean[sizes[0]]
-        return value
+        n = self.bucket(num_tokens)
+        sizes = np.array(sorted(self._mean), dtype=np.float64)
+        values = np.maximum.accumulate([self._mean[int(s)] for s in sizes])
+        return float(np.interp(n, sizes, values))  # flat beyond both ends
 
     def is_stale(self, num_tokens: int) -> bool:
         """True if this size was never measured or not for ``stale_after`` steps."""

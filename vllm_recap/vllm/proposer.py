@@ -210,9 +210,7 @@ class RecapProposer:
             candidates.append((i, req_id, tree, room))
         b = cap
         if self.adaptive and candidates:
-            prefill = int(sum(n for n, c, p in zip(plan.num_scheduled, plan.num_computed,
-                                                    plan.num_prompt) if c < p))
-            b = self.budget.choose([c[2] for c in candidates], prefill)
+            b = self.budget.choose([c[2] for c in candidates], next_prefill_tokens(plan))
         for i, req_id, tree, room in candidates:
             tree = tree.truncate(1 + min(b, room))
             pend = self.pending[req_id]
@@ -352,3 +350,15 @@ def _rewrite_positions(runner, plan: StepPlan) -> None:
             mrope[:, qs:qs + n] = mrope[:, qs:qs + 1] + depths.to(mrope.dtype)
         positions = runner.positions
         positions[qs:qs + n] = positions[qs] + depths.to(positions.dtype)
+
+
+def next_prefill_tokens(plan: StepPlan) -> int:
+    """Prompt tokens the next step will likely run besides the decodes: what is left of the
+    prompts still being prefilled, at most this step's prefill chunk (the scheduler's token
+    budget keeps chunks about that size). Arrivals in the next step cannot be known."""
+    if plan.num_computed is None or plan.num_prompt is None:
+        return 0
+    done = plan.num_computed + plan.num_scheduled
+    partial = plan.num_computed < plan.num_prompt
+    left = int(np.maximum(plan.num_prompt - done, 0)[partial].sum())
+    return min(left, int(plan.num_scheduled[partial].sum()))
