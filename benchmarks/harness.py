@@ -1,49 +1,43 @@
-"""Runs one method over a list of prompts on a real vLLM engine and records what it did."""
+"""Runs one benchmark job on a real in-process vLLM engine and records what it did.
+
+A job (plain JSON, built by ``benchmarks.run``) names one method, one engine configuration and
+one phase:
+
+- ``spec_bench``: token-id prompts served by the closed loop (``benchmarks.load``) at the job's
+  concurrency; at concurrency 1 every request is timed alone and gets its own counter deltas.
+- ``two_turn``: conversations; turn 1 is served, then turn 2 (user 1 + answer 1 + user 2) in
+  the same engine. Turn 2's prompt comes with the job (rendered from ``none``'s answer, so every
+  method sees the same prompt) or, without it, from this engine's own answer.
+- ``multimodal``: image prompts on a vision-language model (the tiny random Qwen2.5-VL is
+  built first when the job asks for it).
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the proposer is
+reachable: RECAP's own per-step seconds, tree metrics and memory sizes; for vLLM's ngram and
+suffix proposers, their ``propose`` call is timed. Each job runs in its own process
+(``benchmarks.harness_worker``), so its peak RSS is its own.
+"""
 from __future__ import annotations
 
+import os
+import resource
 import time
-from dataclasses import asdict, dataclass, field
+import traceback
+from pathlib import Path
 
-from benchmarks.workloads import Prompt
+import numpy as np
+
+from benchmarks.load import Finished, closed_loop
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
 }
-
-
-@dataclass
-class PromptRun:
-    """One prompt generated alone (batch 1): output and the spec-decode counter deltas."""
-
-    prompt_id: str
-    category: str
-    output_ids: list[int]
-    seconds: float
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.output_ids) / self.seconds
-
-    @property
-    def target_passes(self) -> int:
-        """Forward passes that produced this output: every pass commits 1 + accepted tokens."""
-        return len(self.output_ids) - self.accepted_tokens
-
-
-@dataclass
-class MethodRun:
-    method: str
-    speculative_config: dict | None
-    prompts: list[PromptRun] = field(default_factory=list)
-    engine_start_s: float = 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+PREEMPTIONS = "vllm:num_preemptions"
+WARMUP_TOKENS = 8
 
 
 def spec_counters(llm) -> dict[str, int]:
@@ -55,32 +49,328 @@ def spec_counters(llm) -> dict[str, int]:
     return out
 
 
-def run_method(name: str, speculative_config: dict | None, engine_kwargs: dict,
-               prompts: list[Prompt], max_new_tokens: int, progress=None) -> MethodRun:
-    """Start an engine for one method, warm it up, then generate each prompt alone, timed."""
-    from vllm import LLM, SamplingParams, TokensPrompt
+def engine_counters(llm) -> dict:
+    """Spec-decode counters, accepted-per-position vector and preemptions, in one read."""
+    out: dict = {**dict.fromkeys(SPEC_COUNTERS.values(), 0), "accepted_per_pos": [], "preemptions": 0}
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS and hasattr(metric, "value"):
+            out[SPEC_COUNTERS[metric.name]] = int(metric.value)
+        elif metric.name == PER_POS and hasattr(metric, "values"):
+            out["accepted_per_pos"] = [int(v) for v in metric.values]
+        elif metric.name == PREEMPTIONS and hasattr(metric, "value"):
+            out["preemptions"] += int(metric.value)
+    return out
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    """after - before, element-wise for the per-position vector (which may start empty)."""
+    out = {k: after[k] - before.get(k, 0) for k in after if k != "accepted_per_pos"}
+    a, b = after.get("accepted_per_pos", []), before.get("accepted_per_pos", [])
+    out["accepted_per_pos"] = [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+    return out
+
+
+class CpuShare:
+    """Share of the machine's CPU time used by *other* processes over an interval.
+
+    This 2-core machine is shared; a foreign process on one core stalls both threads of the
+    engine's OpenMP pool, and a request can take several times longer. Measured from
+    /proc/stat (all busy time, steal included) minus this process's own CPU time, so a
+    slowed measurement can be flagged instead of trusted.
+    """
+
+    TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    @staticmethod
+    def sample() -> tuple[float, float, float] | None:
+        """(busy seconds of all CPUs, this process's CPU seconds, wall time); None off Linux."""
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        # user nice system idle iowait irq softirq steal [guest guest_nice: already in user]
+        busy = sum(fields[:3]) + sum(fields[5:8])
+        t = os.times()
+        return busy / CpuShare.TICKS, t.user + t.system, time.perf_counter()
+
+    @staticmethod
+    def foreign(a, b) -> float | None:
+        """Foreign CPU share between samples a and b, as a fraction of all CPUs (0..1)."""
+        if a is None or b is None or b[2] <= a[2]:
+            return None
+        other = (b[0] - a[0]) - (b[1] - a[1])
+        return max(0.0, other / ((b[2] - a[2]) * (os.cpu_count() or 1)))
+
+
+def model_runner(llm):
+    """The worker's model runner of an in-process engine (None when not reachable)."""
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        return core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return None
+
+
+class ProposerProbe:
+    """Proposer cost per engine step, plus RECAP's tree metrics and memory sizes.
+
+    RECAP records its own seconds per step (``RecapProposer.step_seconds``: layout, top-K rows,
+    tree acceptance, memory updates and drafting). vLLM's proposers get their ``propose`` call
+    timed (for suffix decoding that includes its cache updates). ``none`` has no proposer.
+    """
+
+    def __init__(self, llm) -> None:
+        runner = model_runner(llm)
+        self.drafter = getattr(runner, "drafter", None) if runner is not None else None
+        self.recap = self.drafter is not None and hasattr(self.drafter, "step_seconds")
+        self.kind = "recap" if self.recap else ("vllm" if self.drafter is not None else None)
+        self.times: list[float] = []
+        self.memory_peak: dict[str, int] = {}
+        if self.drafter is not None and not self.recap:
+            original = self.drafter.propose
+
+            def timed(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.times.append(time.perf_counter() - t)
+
+            self.drafter.propose = timed
+
+    def reset(self) -> None:
+        """Forget the warm-up: clear timings, tree metrics and memory peaks."""
+        self.times.clear()
+        self.memory_peak = {}
+        if self.recap:
+            from vllm_recap.vllm.metrics import TreeMetrics
+
+            self.drafter.step_seconds.clear()
+            self.drafter.metrics = TreeMetrics()
+
+    def sample_memory(self) -> None:
+        """Keep the peak of every RECAP memory figure (request-local rows vanish at request end)."""
+        if self.recap:
+            for key, value in self.drafter.drafter.memory_stats().items():
+                self.memory_peak[key] = max(self.memory_peak.get(key, 0), int(value))
+
+    def collect(self) -> dict:
+        seconds = list(self.drafter.step_seconds) if self.recap else self.times
+        out: dict = {"kind": self.kind, "step_us": step_percentiles(seconds)}
+        if self.recap:
+            out["tree"] = self.drafter.metrics.snapshot()
+            out["memory_peak"] = self.memory_peak
+            out["memory_end"] = self.drafter.drafter.memory_stats()
+            out["stats"] = dict(self.drafter.stats)
+            out["config"] = self.drafter.config.to_dict()
+        return out
+
+
+def step_percentiles(seconds: list[float]) -> dict:
+    """n, mean, p50 and p99 in microseconds (None when nothing was timed)."""
+    if not seconds:
+        return {"n": 0, "mean": None, "p50": None, "p99": None}
+    us = np.asarray(seconds) * 1e6
+    return {"n": len(us), "mean": float(us.mean()), "p50": float(np.percentile(us, 50)),
+            "p99": float(np.percentile(us, 99))}
+
+
+class Server:
+    """Serves prompts through one engine with the closed loop, timing and counting each request."""
+
+    def __init__(self, llm, params, probe: ProposerProbe, on_request=None) -> None:
+        self.llm, self.params, self.probe, self.on_request = llm, params, probe, on_request
+
+    def serve(self, prompts: list, concurrency: int) -> tuple[list[dict], dict]:
+        """Returns one record per prompt (output ids, seconds, counter deltas at concurrency 1)
+        and the loop's figures."""
+        llm = self.llm
+        per_request = concurrency == 1
+        marks: dict[int, dict] = {}
+        cpu: dict[int, tuple | None] = {}
+        records: dict[int, dict] = {}
+
+        def submit(i: int) -> str:
+            # vLLM appends a random suffix to the request id it was given; outputs carry the
+            # given id (a decimal counter), which is the part before the first "-".
+            return llm.enqueue([prompts[i]], self.params, use_tqdm=False)[0].split("-", 1)[0]
+
+        def step():
+            return [(o.request_id, o.outputs[0].token_ids) for o in llm.llm_engine.step()
+                    if o.finished]
+
+        def before_submit(i: int) -> None:
+            if per_request:
+                marks[i] = engine_counters(llm)
+                cpu[i] = CpuShare.sample()
+
+        def after_finish(f: Finished) -> None:
+            rec = {"output_ids": f.output_ids, "seconds": f.latency}
+            if per_request:
+                rec["foreign_cpu"] = CpuShare.foreign(cpu.pop(f.index), CpuShare.sample())
+                delta = counter_delta(engine_counters(llm), marks.pop(f.index))
+                rec.update({k: delta[k] for k in SPEC_COUNTERS.values()})
+            records[f.index] = rec
+            if self.on_request is not None:
+                self.on_request()
+
+        _, stats = closed_loop(len(prompts), concurrency, submit, step,
+                               before_submit=before_submit, after_finish=after_finish,
+                               after_step=self.probe.sample_memory)
+        loop = {"wall_s": stats.wall_s, "steps": stats.steps, "max_in_flight": stats.max_in_flight,
+                "mean_in_flight": stats.mean_in_flight}
+        return [records[i] for i in range(len(prompts))], loop
+
+
+def _progress_writer(path: str | None):
+    if not path:
+        return None
+
+    def tick() -> None:
+        with open(path, "a") as f:
+            f.write(".\n")
+
+    return tick
+
+
+def _text_phase(server: Server, job: dict) -> tuple[list[dict], dict]:
+    from vllm import TokensPrompt
+
+    prompts = job["prompts"]
+    records, loop = server.serve([TokensPrompt(prompt_token_ids=p["token_ids"]) for p in prompts],
+                                 job["concurrency"])
+    for rec, p in zip(records, prompts):
+        rec.update(prompt_id=p["prompt_id"], category=p["category"])
+    return records, {"loop": loop}
+
+
+def _two_turn_phase(server: Server, job: dict) -> tuple[list[dict], dict]:
+    from transformers import AutoTokenizer
+    from vllm import TokensPrompt
+
+    from benchmarks.workloads import render_turn2
+
+    tokenizer = AutoTokenizer.from_pretrained(job["engine"]["model"])
+    records, turn2_ids = [], {}
+    for conv in job["conversations"]:
+        pid, cat = conv["prompt_id"], conv["category"]
+        (first,), _ = server.serve([TokensPrompt(prompt_token_ids=conv["turn1_ids"])], 1)
+        ids2 = conv.get("turn2_ids") or render_turn2(
+            tokenizer, conv["turns"], tokenizer.decode(first["output_ids"], skip_special_tokens=True))
+        (second,), _ = server.serve([TokensPrompt(prompt_token_ids=ids2)], 1)
+        first.update(prompt_id=f"{pid}/t1", category=cat, turn=1)
+        second.update(prompt_id=f"{pid}/t2", category=cat, turn=2)
+        records += [first, second]
+        turn2_ids[pid] = list(ids2)
+    return records, {"turn2_ids": turn2_ids}
+
+
+def multimodal_prompts(model: str, items: list[dict]) -> list[dict]:
+    """vLLM prompt dicts (chat-template text + one image) for the multimodal items."""
+    from transformers import AutoProcessor
+
+    from tests.images import make_image
+
+    processor = AutoProcessor.from_pretrained(model)
+    out = []
+    for item in items:
+        messages = [{"role": "user", "content": [{"type": "image"},
+                                                 {"type": "text", "text": item["question"]}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        image = make_image(item["image_seed"], tuple(item["image_size"]))
+        out.append({"prompt": text, "multi_modal_data": {"image": image}})
+    return out
+
+
+def _multimodal_phase(server: Server, job: dict) -> tuple[list[dict], dict]:
+    items = job["items"]
+    records, loop = server.serve(multimodal_prompts(job["engine"]["model"], items), 1)
+    for rec, item in zip(records, items):
+        rec.update(prompt_id=item["prompt_id"], category=item["category"])
+    return records, {"loop": loop}
+
+
+PHASES = {"spec_bench": _text_phase, "two_turn": _two_turn_phase, "multimodal": _multimodal_phase}
+
+
+def _warm_up(server: Server, job: dict) -> None:
+    """One short request first: allocator, lazy imports, numba kernels, RECAP's cost model.
+
+    It uses a prompt outside the measured set, so no method (suffix decoding's response cache,
+    RECAP's persistent memory) starts the measured prompts having seen one of them.
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    if job["phase"] == "multimodal":
+        prompt = multimodal_prompts(job["engine"]["model"], [job["warmup_item"]])[0]
+    else:
+        prompt = TokensPrompt(prompt_token_ids=job["warmup_ids"])
+    saved = server.params
+    server.params = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    try:
+        server.serve([prompt], 1)
+    finally:
+        server.params = saved
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process in MiB (from /proc; 0 where unavailable)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_job(job: dict) -> dict:
+    """Start the job's engine, warm it up, run its phase; never raises (errors are recorded).
+
+    Returns:
+        The job's identity plus ``requests`` (per prompt: ids, seconds, counter deltas),
+        ``counters`` (deltas over the measured part), ``proposer`` (cost per step, RECAP
+        internals), ``engine_start_s``, ``rss_before_engine_mb``, ``peak_rss_mb`` and
+        ``error`` (a traceback, or None).
+    """
+    from vllm import LLM, SamplingParams
 
     from vllm_recap.models.engine import shutdown_llm
 
-    t0 = time.perf_counter()
-    llm = LLM(**{**engine_kwargs, "speculative_config": speculative_config})
-    run = MethodRun(name, speculative_config, engine_start_s=time.perf_counter() - t0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=False)
-    # Warm-up: first calls pay one-off costs (allocator, lazy imports, numba compilation).
-    llm.generate([TokensPrompt(prompt_token_ids=prompts[0].token_ids)],
-                 SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    result: dict = {k: job[k] for k in ("name", "method", "phase", "concurrency", "repeat")}
+    result.update(requests=[], error=None, rss_before_engine_mb=rss_mb(),
+                  load_average_start=list(os.getloadavg()))
+    llm = None
     try:
-        for prompt in prompts:
-            before = spec_counters(llm)
-            t = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt.token_ids)], params, use_tqdm=False)
-            seconds = time.perf_counter() - t
-            after = spec_counters(llm)
-            delta = {k: after[k] - before[k] for k in after}
-            run.prompts.append(PromptRun(prompt.prompt_id, prompt.category,
-                                         list(out[0].outputs[0].token_ids), seconds, **delta))
-            if progress is not None:
-                progress.update(1)
+        if job.get("build_tiny_vl") and not (Path(job["engine"]["model"]) / "config.json").exists():
+            from vllm_recap.models import build_tiny_qwen2_vl
+
+            build_tiny_qwen2_vl(job["engine"]["model"], seed=0)
+        t0 = time.perf_counter()
+        llm = LLM(**{**job["engine"], "speculative_config": job["speculative_config"]})
+        result["engine_start_s"] = time.perf_counter() - t0
+        probe = ProposerProbe(llm)
+        params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"],
+                                ignore_eos=job["ignore_eos"])
+        server = Server(llm, params, probe, _progress_writer(job.get("progress_file")))
+        _warm_up(server, job)
+        probe.reset()
+        before, cpu0, t1 = engine_counters(llm), CpuShare.sample(), time.perf_counter()
+        records, extra = PHASES[job["phase"]](server, job)
+        result["phase_s"] = time.perf_counter() - t1
+        result["foreign_cpu"] = CpuShare.foreign(cpu0, CpuShare.sample())
+        result["counters"] = counter_delta(engine_counters(llm), before)
+        result["requests"] = records
+        result["proposer"] = probe.collect()
+        result.update(extra)
+    except Exception:  # noqa: BLE001 - a failed method is a row of the report, not a crash
+        result["error"] = traceback.format_exc()
     finally:
-        shutdown_llm(llm)
-    return run
+        if llm is not None:
+            try:
+                shutdown_llm(llm)
+            except Exception:  # noqa: BLE001 - keep the measurements; note the failure
+                result["shutdown_error"] = traceback.format_exc()
+    result["load_average_end"] = list(os.getloadavg())
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result

@@ -1,20 +1,142 @@
-"""The speculative methods the benchmark compares, as vLLM ``speculative_config`` dicts."""
+"""The speculative methods the benchmark compares, as vLLM ``speculative_config`` dicts.
+
+Every method is a name (what ``--methods`` takes), its config and one line saying what it is.
+Groups (``core``, ``budgets``, ``ablations``) name the sets the report is built around.
+
+Where the peers' settings come from:
+
+- ``ngram``: vLLM's documented n-gram example (docs/features/speculative_decoding/n_gram.md):
+  ``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}``.
+- ``suffix``: vLLM's documented suffix-decoding example
+  (docs/features/speculative_decoding/suffix.md: "It is suggested to use a high number such as
+  16 or 32 (default)", with ``{"method": "suffix", "num_speculative_tokens": 32}``); the
+  other ``suffix_decoding_*`` knobs keep vLLM's defaults (max tree depth 24, max spec factor
+  1.0, min token prob 0.1). It needs arctic-inference (benchmarks/SUFFIX_BUILD.md).
+- ``token-recycling``: the Token Recycling policy on RECAP's machinery (design.md, section 2).
+  Its 80-node template is truncated to the same node budget as ``recap-tree`` (the CPU default,
+  16, filled in by vllm_recap.vllm.options) and runs on the same adaptive budget policy, so the
+  comparison isolates the policy (U-only memory + static template vs G/C/U fusion +
+  best-first), not the budget. ``token-recycling-80`` is the paper's setting (full template,
+  always verified) for reference.
+"""
 from __future__ import annotations
 
-# vLLM's documented n-gram example (docs/features/speculative_decoding/n_gram.md).
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
+from dataclasses import dataclass
 
-METHODS: dict[str, dict | None] = {
-    "none": None,
-    "ngram": NGRAM,
-    "recap-chain": {"method": "recap", "draft_mode": "chain"},
-    "recap-tree": {"method": "recap"},
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 32}
+
+# Ablations run at one FIXED node budget, so a variant cannot win or lose by the adaptive
+# controller choosing a different tree size; 16 is the CPU default budget.
+ABLATION_BUDGET = 16
+ABLATION_REFERENCE = f"recap-tree-b{ABLATION_BUDGET}"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One benchmarked method: ``config`` is vLLM's ``speculative_config`` (None: no speculation)."""
+
+    name: str
+    config: dict | None
+    about: str
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """A RECAP variant at the ablation budget and the row of the paper's table it mirrors.
+
+    ``paper_gain`` is the paper's improvement of the full configuration over this variant
+    (design.md, section 1), shown next to ours.
+    """
+
+    method: str
+    knob: dict
+    paper_row: str
+    paper_gain: str
+
+
+def _recap(**knobs) -> dict:
+    return {"method": "recap", **knobs}
+
+
+def _fixed(budget: int, **knobs) -> dict:
+    return _recap(budget_policy="fixed", node_budget=budget, **knobs)
+
+
+ABLATIONS: list[Ablation] = [
+    Ablation("abl-fixed-tree", {"tree_shape": "fixed"}, "best-first vs fixed tree", "+4.9%"),
+    Ablation("abl-unigram-only", {"use_context_memories": False},
+             "3-token backoff (G/C/U) vs unigram only", "+3.0%"),
+    Ablation("abl-fusion-uniform", {"fusion": "uniform"}, "prior fusion vs uniform", "+2.8%"),
+    Ablation("abl-priors-fixed", {"fusion": "priors_fixed"},
+             "entropy confidence vs fixed priors", "+0.7-1.1%"),
+    Ablation("abl-reset-unigram", {"persistent_unigram": False},
+             "persistent vs reset-per-request U", "+5.4%"),
+    Ablation("abl-no-suffix", {"suffix_len": 0}, "suffix insertion on vs off", "+0.6%"),
+]
+# Not one of the paper's rows: the most specific row only, no mixing (FusionMode.BACKOFF).
+EXTRA_ABLATIONS = [Ablation("abl-backoff-only", {"fusion": "backoff"},
+                            "fusion vs most-specific row only", "-")]
+
+_ALL: list[Method] = [
+    Method("none", None, "no speculation (the baseline every speedup is paired against)"),
+    Method("ngram", NGRAM, "vLLM n-gram prompt lookup, documented example settings"),
+    Method("suffix", SUFFIX, "vLLM suffix decoding (Arctic Inference), documented settings"),
+    Method("token-recycling", _recap(policy="token_recycling"),
+           "Token Recycling: U-only adjacency + static template, same budget/policy as recap-tree"),
+    Method("recap-chain", _recap(draft_mode="chain"), "RECAP single path (best chain of the tree)"),
+    Method("recap-tree", _recap(), "RECAP tree, CPU defaults (node budget 16, adaptive)"),
+    Method("token-recycling-80", _fixed(80, policy="token_recycling"),
+           "Token Recycling as in its paper: full 80-node template, always verified"),
+    *[Method(f"recap-tree-b{b}", _fixed(b), f"RECAP tree, fixed budget of {b} nodes")
+      for b in (4, 8, 16, 32)],
+    *[Method(a.method, _fixed(ABLATION_BUDGET, **a.knob), f"ablation: {a.paper_row}")
+      for a in ABLATIONS + EXTRA_ABLATIONS],
+]
+METHODS: dict[str, Method] = {m.name: m for m in _ALL}
+
+GROUPS: dict[str, list[str]] = {
+    "core": ["none", "ngram", "suffix", "token-recycling", "recap-chain", "recap-tree"],
+    # The earlier issue's table: fixed budgets side by side with the baselines.
+    "budgets": ["none", "ngram", "recap-chain", "recap-tree-b4", "recap-tree-b8",
+                "recap-tree-b16", "recap-tree-b32", "token-recycling"],
+    "ablations": [a.method for a in ABLATIONS],
 }
 
 
+def expand(spec: str) -> list[str]:
+    """Method names from a comma list of names and group names, in order, without repeats.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known names and groups).
+    """
+    names: list[str] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        for name in GROUPS.get(item, [item]):
+            if name not in METHODS:
+                raise ValueError(f"Unknown method {name!r}; known methods: {', '.join(METHODS)}; "
+                                 f"groups: {', '.join(GROUPS)}")
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def method_config(name: str) -> dict | None:
-    """The speculative_config for a method name; ValueError listing the known names otherwise."""
+    """The speculative_config for a method name (a copy); ValueError listing the known names."""
     if name not in METHODS:
         raise ValueError(f"Unknown method {name!r}; known methods: {', '.join(METHODS)}")
-    config = METHODS[name]
+    config = METHODS[name].config
     return dict(config) if config is not None else None
+
+
+def is_recap(name: str) -> bool:
+    """True when the method runs RECAP's proposer (its internals are reachable in the worker)."""
+    config = METHODS[name].config
+    return config is not None and config.get("method") == "recap"
+
+
+def ablation(name: str) -> Ablation | None:
+    """The ablation row of a method name, None for other methods."""
+    return next((a for a in ABLATIONS + EXTRA_ABLATIONS if a.method == name), None)

@@ -1,4 +1,9 @@
-"""Workloads: Spec-Bench questions rendered into token ids with the model's chat template."""
+"""Workloads: Spec-Bench questions rendered into token ids with the model's chat template,
+two-turn conversations, and image prompts for the tiny vision-language model.
+
+Everything here is plain data (token ids, texts, image seeds) so that a job can travel to a
+worker process as JSON.
+"""
 from __future__ import annotations
 
 import json
@@ -15,6 +20,9 @@ class Prompt:
     prompt_id: str
     category: str
     token_ids: list[int]
+
+    def to_dict(self) -> dict:
+        return {"prompt_id": self.prompt_id, "category": self.category, "token_ids": self.token_ids}
 
 
 def load_spec_bench(
@@ -74,3 +82,51 @@ def spec_bench_prompts(tokenizer, per_category: int, categories: list[str] | Non
             continue
         out.append(Prompt(f"sb{row['question_id']}", row["category"], ids))
     return out
+
+
+def two_turn_conversations(tokenizer, per_category: int, categories: list[str] | None = None,
+                           path: str | Path = SPEC_BENCH) -> list[dict]:
+    """Spec-Bench rows with two turns (MT-bench), first ``per_category`` of each category.
+
+    Returns dicts with ``prompt_id``, ``category``, ``turns`` (the two user texts) and
+    ``turn1_ids`` (the first turn rendered); the second turn is rendered by the worker once
+    the first answer exists (``render_turn2``).
+    """
+    rows = [r for r in load_spec_bench(path) if len(r["turns"]) >= 2]
+    known = list(dict.fromkeys(r["category"] for r in rows))
+    if categories:
+        unknown = sorted(set(categories) - set(known))
+        if unknown:
+            raise ValueError(f"No two-turn rows for categories {unknown}; two-turn categories: {known}.")
+        known = [c for c in known if c in categories]
+    out = []
+    for cat in known:
+        for row in [r for r in rows if r["category"] == cat][:per_category]:
+            out.append({"prompt_id": f"sb{row['question_id']}", "category": cat,
+                        "turns": row["turns"][:2], "turn1_ids": render(tokenizer, row["turns"][:1])})
+    return out
+
+
+def render_turn2(tokenizer, turns: list[str], answer: str) -> list[int]:
+    """Token ids of the second turn: user 1, the first answer, user 2 (chat template)."""
+    return render(tokenizer, turns[:2], [answer])
+
+
+# Image prompts for the multimodal workload: (question, image size (h, w)); the image of item i
+# is tests/images.make_image(i, size). Sizes differ so image token counts differ.
+MULTIMODAL_ITEMS: list[tuple[str, tuple[int, int]]] = [
+    ("Describe this picture.", (64, 80)),
+    ("What colour dominates?", (112, 56)),
+    ("Count the shapes, then list them.", (56, 56)),
+    ("Is it day or night? Explain.", (84, 140)),
+    ("Write a caption for this image.", (96, 96)),
+    ("What is in the top left corner?", (70, 112)),
+]
+
+
+def multimodal_items(n: int) -> list[dict]:
+    """The first ``n`` image prompts as plain data (question, image seed and size)."""
+    if n > len(MULTIMODAL_ITEMS):
+        raise ValueError(f"at most {len(MULTIMODAL_ITEMS)} multimodal prompts are defined, asked {n}")
+    return [{"prompt_id": f"mm{i}", "category": "image", "question": q, "image_seed": i,
+             "image_size": list(size)} for i, (q, size) in enumerate(MULTIMODAL_ITEMS[:n])]
