@@ -29,10 +29,16 @@ def test_cost_model_buckets_averages_interpolates_and_extrapolates_optimisticall
     m.observe(9, 0.30)
     assert m.estimate(12) == pytest.approx(0.30)  # beyond the largest: as cheap as it
     assert m.estimate(5) == pytest.approx(0.225)  # between measured sizes: interpolated
-    m.observe(3, 0.05)  # noise below a cheaper size does not make estimates non-monotone
-    assert m.estimate(3) == pytest.approx(0.15) and m.estimate(2) == pytest.approx(0.15)
+    m.observe(12, 0.12)  # a larger size measured cheaper: smaller sizes cost no more
+    assert m.estimate(1) == pytest.approx(0.12) and m.estimate(9) == pytest.approx(0.12)
+    m.observe(1, 0.05)  # a contradicted average is replaced, not blended
+    assert m.estimate(1) == pytest.approx(0.05)
+    for _ in range(70):
+        m.observe(12, 0.12)
+    m.observe(9, 0.11)  # so is a stale one (9 was last measured 70 steps ago)
+    assert m.estimate(9) == pytest.approx(0.11)
     assert StepCostModel.bucket(100) == StepCostModel.bucket(103)
-    assert m.is_stale(4) and not m.is_stale(9)
+    assert m.is_stale(4) and not m.is_stale(12)
 
 
 def test_a_measured_prefill_size_does_not_make_drafting_look_free_under_load():
@@ -120,3 +126,33 @@ def test_simulated_machine_is_never_slower_than_plain_decoding():
         tokens += 1 + accepted
         seconds += sec
     assert tokens / seconds >= 0.97 / step_cost(1)
+
+
+def test_one_slow_plain_step_does_not_make_drafting_look_free():
+    """Costs rise steeply with size and drafts are poor, but the first plain-decoding step
+    was slow (a burst of arrivals): plain decoding must still win once sizes are measured."""
+    ctl = _controller_after({1: 0.50}, accept=0.2)
+    tree = [chain_tree(16, 0.2)]
+    picks = []
+    for _ in range(80):
+        b = ctl.choose(tree, fixed_tokens=0)
+        picks.append(b)
+        ctl.observe_step(1 + b, 0.10 + 0.03 * b)
+    assert picks[-16:].count(0) >= 12, picks
+
+
+def test_drafting_must_beat_plain_decoding_by_the_margin():
+    from vllm_recap.core.budget import DRAFT_MARGIN
+
+    ctl = _controller_after({1: 0.100, 2: 0.100}, accept=0.9)
+    tree = chain_tree(1, 0.9)
+    gain = float(ctl.expected_gains(tree)[1])
+    # a step with one draft costs just enough that its expected rate is within the margin
+    ctl.cost = type(ctl.cost)()
+    ctl.observe_step(1, 0.100)
+    ctl.observe_step(2, 0.100 * (1 + gain) / (DRAFT_MARGIN - 0.01))
+    assert ctl.choose([tree], fixed_tokens=0) == 0
+    ctl.cost = type(ctl.cost)()
+    ctl.observe_step(1, 0.100)
+    ctl.observe_step(2, 0.100 * (1 + gain) / (DRAFT_MARGIN + 0.01))
+    assert ctl.choose([tree], fixed_tokens=0) == 1

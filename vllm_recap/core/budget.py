@@ -34,6 +34,8 @@ from vllm_recap.core.tree import DraftTree, tree_structure
 # Candidate per-request node counts (the controller also caps them at the configured budget).
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 MAX_DEPTH = 64
+# Expected throughput a drafting choice must exceed plain decoding's by (see ``choose``).
+DRAFT_MARGIN = 1.03
 
 
 class StepCostModel:
@@ -65,14 +67,19 @@ class StepCostModel:
             return
         key = self.bucket(num_tokens)
         old = self._mean.get(key)
-        self._mean[key] = seconds if old is None else old + self.ema * (seconds - old)
+        # A stale or contradicted average is replaced, not blended: it may come from another
+        # phase of the load, or from one slow step.
+        blend = old is not None and not self.is_stale(num_tokens) and not self.is_clamped(num_tokens)
+        self._mean[key] = old + self.ema * (seconds - old) if blend else seconds
         self._last[key] = self.steps
 
     def estimate(self, num_tokens: int) -> float | None:
         """Expected seconds for a step of ``num_tokens`` tokens (None before any measurement).
 
-        Measured sizes use their average, made monotone (a size never looks cheaper than a
-        smaller measured one); sizes between two measured ones are interpolated linearly;
+        Measured sizes use their average, made monotone from above (a size never costs more
+        than a larger measured one: one slow step at a small size, say during a burst of
+        arrivals, must not make the sizes above it look free); sizes between two measured
+        ones are interpolated linearly;
         sizes beyond the largest measured one cost what it costs (optimistic, so they get
         tried) and sizes below the smallest cost what the smallest costs.
         """
@@ -80,8 +87,14 @@ class StepCostModel:
             return None
         n = self.bucket(num_tokens)
         sizes = np.array(sorted(self._mean), dtype=np.float64)
-        values = np.maximum.accumulate([self._mean[int(s)] for s in sizes])
+        values = np.minimum.accumulate([self._mean[int(s)] for s in sizes[::-1]])[::-1]
         return float(np.interp(n, sizes, values))  # flat beyond both ends
+
+    def is_clamped(self, num_tokens: int) -> bool:
+        """True if this size's own average is above its estimate (a larger size measured
+        cheaper): one of the two measurements is off, and re-measuring this one settles it."""
+        own = self._mean.get(self.bucket(num_tokens))
+        return own is not None and own > 1.05 * self.estimate(num_tokens)
 
     def is_stale(self, num_tokens: int) -> bool:
         """True if this size was never measured or not for ``stale_after`` steps."""
@@ -181,13 +194,23 @@ class BudgetController:
                 return 0
             value = len(trees) + sum(float(g[u]) for g, u in zip(gains, used))
             candidates.append((b, tokens, value / seconds))
-        best = max(candidates, key=lambda c: c[2])
+        # Drafting must beat plain decoding by a margin: per-size step costs are noisy
+        # (+-20% on a shared CPU), and a coin-flip win at best breaks even while paying for
+        # the extra rows' proposer work, which the cost model does not see.
+        best = max(candidates, key=lambda c: c[2] if c[0] == 0 else c[2] / DRAFT_MARGIN)
         choice = best[0]
-        # Now and then re-measure the next size up when its measurement is missing or old.
+        # Now and then re-measure a neighbouring size whose measurement is missing, old or
+        # contradicted by a larger size:
+        # the next one down first (a smaller size is only measured when chosen, so one slow
+        # early step, e.g. in a burst of arrivals, would otherwise price it out for good),
+        # else the next one up (optimistic extrapolation needs a measurement to be corrected).
         if self.cost.steps % 8 == 0:
-            above = [c for c in candidates if c[0] > choice]
-            if above and self.cost.is_stale(above[0][1]):
-                choice = above[0][0]
+            below = [c for c in candidates if c[0] < choice][-1:]
+            above = [c for c in candidates if c[0] > choice][:1]
+            for level, tokens, _ in below + above:
+                if self.cost.is_stale(tokens) or self.cost.is_clamped(tokens):
+                    choice = level
+                    break
         self.last_choice = choice
         return choice
 

@@ -84,6 +84,7 @@ class RecapProposer:
         self._step_begin: float | None = None
         self._step_end = 0.0
         self._step_tokens = 0
+        self._step_seed = 0.0  # stats["seed_seconds"] when the timed step began
         # Seconds of RECAP work per engine step (begin_step + sample extras + propose_batch),
         # the last 4096 steps, for benchmarks (p50/p99 proposer cost).
         self.step_seconds: deque[float] = deque(maxlen=4096)
@@ -261,9 +262,14 @@ class RecapProposer:
         """Feeds the budget's cost model: the previous step took (now - its begin) seconds,
         unless the engine sat idle in between (a gap after the previous propose)."""
         now = time.perf_counter()
+        # Prompt seeding (an LM-head pass over up to prompt_seed_rows rows per new request)
+        # runs in some steps only and does not depend on the draft count: leave it out, or
+        # the size that happened to be measured in a seeding step looks dear for a long time.
+        seeded = self.stats["seed_seconds"] - self._step_seed
         if self._step_begin is not None and now - self._step_end < 0.25:
-            self.budget.observe_step(self._step_tokens, now - self._step_begin)
+            self.budget.observe_step(self._step_tokens, now - self._step_begin - seeded)
         self._step_begin, self._step_tokens = now, num_tokens
+        self._step_seed = self.stats["seed_seconds"]
 
     def _node_budget(self, num_decoding: int) -> int:
         """Per-request draft nodes: the configured budget, shrunk so the whole batch stays
