@@ -29,6 +29,16 @@ def _legend(ax) -> None:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
+def _finish(fig, ax, path: Path, title: str) -> Path:
+    """Title, legend outside the axes, save as PNG, free the figure."""
+    ax.set_title(title)
+    _legend(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _grouped_bars(ax, groups: list[str], series: dict[str, list[float | None]],
                   colors: dict[str, tuple]) -> None:
     n = max(1, len(series))
@@ -51,12 +61,7 @@ def speedup_by_category(summary: dict, path: Path, title: str) -> Path:
     _grouped_bars(ax, cats + ["all"], series, _colors(summary))
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_ylabel("speedup vs no speculation (paired geo-mean)")
-    ax.set_title(title)
-    _legend(ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title)
 
 
 def throughput_vs_concurrency(summary: dict, path: Path, title: str) -> Path:
@@ -75,12 +80,7 @@ def throughput_vs_concurrency(summary: dict, path: Path, title: str) -> Path:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("requests in flight (closed loop)")
     ax.set_ylabel("output tokens/s (all requests)")
-    ax.set_title(title)
-    _legend(ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title)
 
 
 def acceptance_histogram(summary: dict, path: Path, title: str) -> Path:
@@ -102,12 +102,7 @@ def acceptance_histogram(summary: dict, path: Path, title: str) -> Path:
     ax.set_xticklabels(labels, rotation=0)
     ax.set_xlabel("acceptance length of a drafted step (accepted + 1)")
     ax.set_ylabel("share of drafted steps")
-    ax.set_title(title)
-    _legend(ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title)
 
 
 def draw_all(summary: dict, out: Path, model_name: str) -> list[Path]:
