@@ -35,17 +35,23 @@ def load_spec_bench(
     Categories keep the file's order; ``categories`` restricts and must name existing ones.
     """
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    known = list(dict.fromkeys(r["category"] for r in rows))
-    if categories:
-        unknown = sorted(set(categories) - set(known))
-        if unknown:
-            raise ValueError(f"Unknown Spec-Bench categories {unknown}; the file has {known}.")
-        known = [c for c in known if c in categories]
+    known = _categories(rows, categories, "Spec-Bench categories")
     picked = []
     for cat in known:
         in_cat = [r for r in rows if r["category"] == cat]
         picked.extend(in_cat[:per_category] if per_category else in_cat)
     return picked
+
+
+def _categories(rows: list[dict], wanted: list[str] | None, what: str) -> list[str]:
+    """The rows' categories in file order, restricted to ``wanted`` (which must all exist)."""
+    known = list(dict.fromkeys(r["category"] for r in rows))
+    if not wanted:
+        return known
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise ValueError(f"Unknown {what} {unknown}; the file has {known}.")
+    return [c for c in known if c in wanted]
 
 
 def render(tokenizer, user_turns: list[str], assistant_turns: list[str] = ()) -> list[int]:
@@ -93,12 +99,7 @@ def two_turn_conversations(tokenizer, per_category: int, categories: list[str] |
     the first answer exists (``render_turn2``).
     """
     rows = [r for r in load_spec_bench(path) if len(r["turns"]) >= 2]
-    known = list(dict.fromkeys(r["category"] for r in rows))
-    if categories:
-        unknown = sorted(set(categories) - set(known))
-        if unknown:
-            raise ValueError(f"No two-turn rows for categories {unknown}; two-turn categories: {known}.")
-        known = [c for c in known if c in categories]
+    known = _categories(rows, categories, "two-turn categories")
     out = []
     for cat in known:
         for row in [r for r in rows if r["category"] == cat][:per_category]:

@@ -214,3 +214,13 @@ def test_build_summary_and_markdown_with_a_crashed_method_and_a_slow_load():
     assert len(table.splitlines()) == 2 + 3 and "| recap-tree |" in table
     assert "| ngram | 0 |" in table and "0/0" not in table  # a crashed method compares nothing
     assert "1.41x" in markdown.speedup_pivot(s["per_category"], s["overall"])
+
+
+def test_unknown_categories_are_named_with_the_known_ones():
+    from benchmarks.workloads import load_spec_bench, two_turn_conversations
+
+    assert len(load_spec_bench(per_category=1)) == 13
+    with pytest.raises(ValueError, match=r"Unknown Spec-Bench categories \['nope'\]; the file has"):
+        load_spec_bench(categories=["nope"])
+    with pytest.raises(ValueError, match=r"Unknown two-turn categories \['qa'\]"):
+        two_turn_conversations(None, 1, ["qa"])  # qa rows have one turn only
