@@ -78,10 +78,9 @@ class StepCostModel:
 
         Measured sizes use their average, made monotone from above (a size never costs more
         than a larger measured one: one slow step at a small size, say during a burst of
-        arrivals, must not make the sizes above it look free); sizes between two measured
-        ones are interpolated linearly;
-        sizes beyond the largest measured one cost what it costs (optimistic, so they get
-        tried) and sizes below the smallest cost what the smallest costs.
+        arrivals, must not make the sizes above it look free). Sizes between two measured
+        ones are interpolated linearly; sizes beyond the largest measured one cost what it
+        costs (optimistic, so they get tried), sizes below the smallest what the smallest does.
         """
         if not self._mean:
             return None
@@ -200,10 +199,10 @@ class BudgetController:
         best = max(candidates, key=lambda c: c[2] if c[0] == 0 else c[2] / DRAFT_MARGIN)
         choice = best[0]
         # Now and then re-measure a neighbouring size whose measurement is missing, old or
-        # contradicted by a larger size:
-        # the next one down first (a smaller size is only measured when chosen, so one slow
-        # early step, e.g. in a burst of arrivals, would otherwise price it out for good),
-        # else the next one up (optimistic extrapolation needs a measurement to be corrected).
+        # contradicted by a larger size: the next one down first (a smaller size is only
+        # measured when chosen, so one slow early step, e.g. in a burst of arrivals, would
+        # otherwise price it out for good), else the next one up (optimistic extrapolation
+        # needs a measurement to be corrected).
         if self.cost.steps % 8 == 0:
             below = [c for c in candidates if c[0] < choice][-1:]
             above = [c for c in candidates if c[0] > choice][:1]
