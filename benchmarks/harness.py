@@ -42,11 +42,8 @@ WARMUP_TOKENS = 8
 
 def spec_counters(llm) -> dict[str, int]:
     """Current values of vLLM's speculative-decoding counters (zeros when none are logged)."""
-    out = dict.fromkeys(SPEC_COUNTERS.values(), 0)
-    for metric in llm.get_metrics():
-        if metric.name in SPEC_COUNTERS and hasattr(metric, "value"):
-            out[SPEC_COUNTERS[metric.name]] = int(metric.value)
-    return out
+    counters = engine_counters(llm)
+    return {k: counters[k] for k in SPEC_COUNTERS.values()}
 
 
 def engine_counters(llm) -> dict:

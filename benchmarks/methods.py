@@ -131,12 +131,6 @@ def method_config(name: str) -> dict | None:
     return dict(config) if config is not None else None
 
 
-def is_recap(name: str) -> bool:
-    """True when the method runs RECAP's proposer (its internals are reachable in the worker)."""
-    config = METHODS[name].config
-    return config is not None and config.get("method") == "recap"
-
-
 def ablation(name: str) -> Ablation | None:
     """The ablation row of a method name, None for other methods."""
     return next((a for a in ABLATIONS + EXTRA_ABLATIONS if a.method == name), None)
