@@ -216,6 +216,10 @@ class BudgetController:
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
 
-    def observe_tree(self, parents: np.ndarray, scores: np.ndarray, num_accepted: int) -> None:
+    def observe_tree(self, parents: np.ndarray, scores: np.ndarray, num_accepted: int,
+                     depths: np.ndarray | None = None) -> None:
+        """One verified tree; ``depths`` ([n], from ``tree_structure``) if the caller has them."""
         if len(parents) > 1:
-            self.calibration.observe(tree_structure(parents)[0], scores, num_accepted)
+            if depths is None:
+                depths = tree_structure(parents)[0]
+            self.calibration.observe(depths, scores, num_accepted)

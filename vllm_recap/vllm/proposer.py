@@ -247,7 +247,7 @@ class RecapProposer:
             depths = tree_structure(parents)[0]
             self.metrics.record(len(parents) - 1, int(depths.max()), len(sampled) - 1)
             if scores is not None:
-                self.budget.observe_tree(parents, scores[:len(parents)], len(sampled) - 1)
+                self.budget.observe_tree(parents, scores[:len(parents)], len(sampled) - 1, depths)
         self.drafter.commit(req_id, sampled)
         params = getattr(runner.requests.get(req_id), "sampling_params", None)
         if surely_finished(params, sampled, n_tokens - int(batch.num_prompt_tokens[i]),
