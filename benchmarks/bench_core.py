@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.core.targets import PoolTarget  # a test fixture; tests/ is a package
 from vllm_recap.core import Drafter, Policy, RecapConfig, verify_greedy, warmup
-from vllm_recap.core.targets import PoolTarget
 
 GOALS_US = {16: 100.0, 63: 300.0}  # step p50 goals per node budget (the targets)
 

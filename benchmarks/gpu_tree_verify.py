@@ -33,8 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_recap.vllm import cuda_backend as cb  # noqa: E402  (torch-only at import)
-from vllm_recap.vllm.tree_attention import tree_attention  # noqa: E402
+from tests.reference_attention import tree_reference, visible  # noqa: E402
+from vllm_recap.vllm import cuda_recompute as cb  # noqa: E402  (torch-only at import)
+from vllm_recap.vllm.attention_math import masked_attention  # noqa: E402
+from vllm_recap.vllm.context import StepContext, TreeSlot  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "gpu"
 
@@ -65,13 +67,11 @@ def random_tree(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def tree_mask(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(depths [n], ancestor mask [n, n]) -- a node's row is its parent's row + its diagonal."""
-    n = len(parents)
-    depths, mask = np.zeros(n, np.int64), np.eye(n, dtype=bool)
-    for i in range(1, n):
+    """(depths [n], ancestor mask [n, n]) from the independent test reference."""
+    depths = np.zeros(len(parents), np.int64)
+    for i in range(1, len(parents)):
         depths[i] = depths[parents[i]] + 1
-        mask[i, :i] = mask[parents[i], :i]
-    return depths, mask
+    return depths, visible(list(parents), 0).numpy()
 
 
 # ----------------------------------------------------------------------------- decoder
@@ -109,8 +109,8 @@ def _rope(x, positions, theta):
 def decoder_attention(q, k, v, allowed, scale, impl: str = "matmul"):
     """q [n, H, D] over k, v [KVH, S, D] where allowed [n, S]; returns [n, H * D].
 
-    "matmul" groups the query heads of each KV head (GQA without copying K/V, like a decode
-    kernel); "sdpa" expands K/V per query head and calls torch SDPA with the boolean mask.
+    "matmul" is the project's own masked attention (query heads grouped per KV head, no K/V
+    copies, float32 scores); "sdpa" expands K/V per query head and calls torch SDPA.
     """
     n, h, d = q.shape
     kvh = k.shape[0]
@@ -120,12 +120,9 @@ def decoder_attention(q, k, v, allowed, scale, impl: str = "matmul"):
             q.transpose(0, 1)[None], k.repeat_interleave(g, 0)[None],
             v.repeat_interleave(g, 0)[None], attn_mask=allowed[None, None], scale=scale)
         return out[0].transpose(0, 1).reshape(n, h * d)
-    qg = q.view(n, kvh, h // kvh, d).permute(1, 2, 0, 3).reshape(kvh, -1, d)  # [KVH, G*n, D]
-    scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale  # [KVH, G*n, S]
-    scores = scores.view(kvh, -1, n, k.shape[1]).masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, -1).to(v.dtype).view(kvh, -1, k.shape[1])
-    out = torch.matmul(probs, v).view(kvh, h // kvh, n, d)
-    return out.permute(2, 0, 1, 3).reshape(n, h * d)
+    out, _ = masked_attention(q, k.transpose(0, 1), v.transpose(0, 1), allowed, scale,
+                              need_lse=False)
+    return out.to(q.dtype).reshape(n, h * d)
 
 
 def decoder_step(wts, s: Shape, cache, ids, positions, allowed, prefix: int, impl: str):
@@ -233,7 +230,8 @@ def synthetic_step(device, dtype, heads: int, kv_heads: int, head_dim: int, requ
 
     Returns:
         cache, query/key/value [T, *, D], md (query_start_loc, seq_lens, block_table,
-        slot_mapping), plan (trees, kv_stash), qsl, and per request (q, K, V over prefix + n).
+        slot_mapping), ctx (a step context: plan.trees, kv_stash), qsl, and per request
+        (q, K, V over prefix + n).
     """
     g = torch.Generator().manual_seed(seed)
     need = [-(-(p + len(par)) // block_size) for p, par in requests]
@@ -256,9 +254,7 @@ def synthetic_step(device, dtype, heads: int, kv_heads: int, head_dim: int, requ
         table.append(blocks)
         depths, mask = tree_mask(parents)
         if n > 2 and not np.array_equal(parents, np.arange(-1, n - 1)):
-            trees.append(SimpleNamespace(batch_index=b, query_start=off, parents=parents,
-                                         depths=depths, ancestor_mask=mask, torch_cache={},
-                                         num_nodes=n))
+            trees.append(TreeSlot(b, off, parents, depths, mask))
         off += n
     width = max(need)
     block_table = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in table]).int()
@@ -270,29 +266,27 @@ def synthetic_step(device, dtype, heads: int, kv_heads: int, head_dim: int, requ
     value = torch.cat([v[p:] for (_, v), (p, _) in zip(seqs, requests)])
     return SimpleNamespace(cache=cache.to(device), query=torch.cat(qs).to(device),
                            key=key.to(device), value=value.to(device), md=md,
-                           plan=SimpleNamespace(trees=trees, kv_stash=[]), qsl=qsl, qs=qs,
+                           ctx=StepContext(SimpleNamespace(trees=trees)), qsl=qsl, qs=qs,
                            seqs=seqs, requests=requests)
 
 
 def dense_reference(step, tree, scale: float, window: int = -1, softcap: float = 0.0):
-    """fp32 dense tree attention of one tree request ([n, H, D])."""
-    prefix, _ = step.requests[tree.batch_index]
+    """fp32 dense tree attention of one tree request ([n, H, D]), the tests' reference."""
+    prefix, parents = step.requests[tree.batch_index]
     k, v = (t.float() for t in step.seqs[tree.batch_index])
-    return tree_attention(step.qs[tree.batch_index].float(), k[:prefix], v[:prefix], k[prefix:],
-                          v[prefix:], torch.from_numpy(tree.ancestor_mask), scale,
-                          node_positions=torch.from_numpy(tree.depths + prefix),
-                          sliding_window=window, softcap=softcap)
+    return tree_reference(step.qs[tree.batch_index].float(), k, v, parents, prefix, scale,
+                          window, softcap)
 
 
 def check_recompute(step, cfg: cb.HeadConfig, tol: float) -> dict:
     """Runs the recompute into a NaN-poisoned output; tree rows vs reference, others untouched."""
     out = torch.full((step.query.shape[0], cfg.num_heads * cfg.head_size), float("nan"),
                      dtype=step.query.dtype, device=step.query.device)
-    cb.recompute_tree_rows(cfg, step.plan, step.query, step.key, step.value, step.cache, step.md,
+    cb.recompute_tree_rows(cfg, step.ctx, step.query, step.key, step.value, step.cache, step.md,
                            out)
     out = out.view(-1, cfg.num_heads, cfg.head_size).float().cpu()
     written, err = torch.zeros(out.shape[0], dtype=torch.bool), 0.0
-    for tree in step.plan.trees:
+    for tree in step.ctx.plan.trees:
         a, b = int(step.qsl[tree.batch_index]), int(step.qsl[tree.batch_index + 1])
         written[a:b] = True
         ref = dense_reference(step, tree, cfg.scale, cfg.sliding_window, cfg.softcap)
@@ -324,7 +318,7 @@ def run_checks(args, s: Shape, device, dtype) -> list[dict]:
                     ("recompute_torch_softcap", replace(cfg, softcap=20.0)),
                     ("recompute_torch_window", replace(cfg, sliding_window=prefixes[0] // 2))]:
         checks.append(dict(name=name, **check_recompute(step, c, tol)))
-        step.plan.trees[0].torch_cache.clear()
+        step.ctx.backend_state = None
     fa = flash_version() if device.type == "cuda" else None
     for name, c in [("recompute_flash", replace(cfg, fa_version=fa)),
                     ("recompute_flash_softcap", replace(cfg, fa_version=fa, softcap=20.0))]:
@@ -333,8 +327,8 @@ def run_checks(args, s: Shape, device, dtype) -> list[dict]:
                                note="skipped: vLLM FlashAttention not importable"))
             continue
         checks.append(dict(name=name, fa_version=fa, **check_recompute(step, c, tol)))
-        step.plan.trees[0].torch_cache.clear()
-    tree = step.plan.trees[0]
+        step.ctx.backend_state = None
+    tree = step.ctx.plan.trees[0]
     prefix, _ = requests[tree.batch_index]
     k, v = (t.to(device).transpose(0, 1) for t in step.seqs[tree.batch_index])
     allowed = torch.ones(tree.num_nodes, prefix + tree.num_nodes, dtype=torch.bool)
@@ -388,7 +382,7 @@ def bench_overhead(args, s: Shape, device, dtype) -> list[dict]:
             out = torch.empty(k, s.heads * s.head_dim, dtype=dtype, device=device)
 
             def run():  # one layer; the step's TreeBatch is built once (first call) and reused
-                cb.recompute_tree_rows(cfg, step.plan, step.query, step.key, step.value,
+                cb.recompute_tree_rows(cfg, step.ctx, step.query, step.key, step.value,
                                        step.cache, step.md, out)
 
             t = _stats(_timed(run, args.repeats, args.warmup, device))

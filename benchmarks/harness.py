@@ -140,10 +140,7 @@ class ProposerProbe:
         self.times.clear()
         self.memory_peak = {}
         if self.recap:
-            from vllm_recap.vllm.metrics import TreeMetrics
-
-            self.drafter.step_seconds.clear()
-            self.drafter.metrics = TreeMetrics()
+            self.drafter.reset_figures()
 
     def sample_memory(self) -> None:
         """Keep the peak of every RECAP memory figure (request-local rows vanish at request end)."""

@@ -7,14 +7,19 @@ before layers pick their backend), only when RECAP verifies trees.
 """
 from __future__ import annotations
 
-from vllm_recap.patches import fail, target
+from vllm_recap.patches import target
 
 SEAM = "attention backend registry (register_backend)"
 
 CPU_BACKEND = "vllm_recap.vllm.cpu_backend.RecapCPUAttentionBackend"
 
 
-def install(vllm_config) -> None:
+def install(vllm_config) -> str | None:
+    """Points the platform's attention backend at the tree-aware subclass.
+
+    Returns:
+        None when installed; else why trees cannot be verified here (nothing installed).
+    """
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends import registry
 
@@ -27,11 +32,9 @@ def install(vllm_config) -> None:
     target(selector, "_cached_get_attn_backend", SEAM).cache_clear()
     if current_platform.is_cpu():
         register(enum.CPU_ATTN, CPU_BACKEND)
-        return
+        return None
     if current_platform.is_cuda():
-        from vllm_recap.vllm.cuda_backend import install_cuda_backend
+        from vllm_recap.vllm.cuda_recompute import install_cuda_backend
 
-        install_cuda_backend(vllm_config, register, enum)
-        return
-    raise fail(SEAM, f"tree verification supports CPU and CUDA, not {current_platform.device_name}; "
-                     "use speculative_config {'method': 'recap', 'draft_mode': 'chain'}")
+        return install_cuda_backend(vllm_config, register, enum)
+    return f"tree verification supports CPU and CUDA, not {current_platform.device_name}"

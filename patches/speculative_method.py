@@ -31,7 +31,8 @@ def install(refusal: str | None = None) -> None:
                 from vllm_recap.vllm.options import translate
 
                 device = getattr(getattr(self, "device", None), "type", None) or _platform()
-                self.speculative_config, recap = translate(spec, device)
+                pp = int(getattr(target_parallel_config, "pipeline_parallel_size", 1) or 1)
+                self.speculative_config, recap = translate(spec, device, pp)
                 self.additional_config = {**(self.additional_config or {}), "recap": recap}
             return original(self, target_model_config, target_parallel_config)
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from vllm_recap.core.budget import AcceptanceCalibration, BudgetController, StepCostModel
+from vllm_recap.core.config import MAX_DEPTH
 from vllm_recap.core.tree import DraftTree
 
 pytestmark = pytest.mark.unit
@@ -52,6 +53,8 @@ def test_a_measured_prefill_size_does_not_make_drafting_look_free_under_load():
 def test_calibration_prior_undoes_discounts_and_learns():
     c = AcceptanceCalibration(DISCOUNTS, prior_mass=1.0, decay=1.0)
     assert c.factors()[1] == pytest.approx(1 / 0.68)
+    assert c.prior.shape == (MAX_DEPTH + 1,) and c.prior[0] == 1.0
+    assert c.prior[7] == pytest.approx(1 / (np.prod(DISCOUNTS) * DISCOUNTS[-1]))  # d repeats
     tree = chain_tree(3, 0.5)
     depths = np.arange(4)
     for _ in range(50):  # the first draft is always accepted, deeper ones never
@@ -59,6 +62,15 @@ def test_calibration_prior_undoes_discounts_and_learns():
     p = c.node_probabilities(depths, tree.parents, tree.scores)
     assert p[1] > 0.9 and p[2] < 0.1
     assert np.all(np.diff(p) <= 0)  # a child is never likelier than its parent
+
+
+def test_observe_tree_derives_depths_when_not_given():
+    tree = DraftTree(np.arange(5), np.array([-1, 0, 1, 0, 3]), np.array([1, .5, .3, .4, .2]))
+    given, derived = BudgetController(8, DISCOUNTS), BudgetController(8, DISCOUNTS)
+    given.observe_tree(tree.parents, tree.scores, 2, tree.depths)
+    derived.observe_tree(tree.parents, tree.scores, 2)
+    np.testing.assert_array_equal(given.calibration.mass, derived.calibration.mass)
+    assert given.calibration.mass[1:3].tolist() == pytest.approx([0.9, 0.5])
 
 
 def _controller_after(costs: dict[int, float], accept: float, steps: int = 40) -> BudgetController:

@@ -15,8 +15,9 @@ from vllm_recap.core import (
     Policy,
     RecapConfig,
     TreeShape,
-    tree_structure,
+    tree_depths,
 )
+from vllm_recap.core.config import MAX_DEPTH, discount_table
 from vllm_recap.core.recycling import LEVEL_SIZES, TEMPLATE_PARENTS, TEMPLATE_RANKS
 
 pytestmark = pytest.mark.unit
@@ -133,11 +134,25 @@ def test_suffix_stops_at_a_repeated_edge_and_at_blocked_tokens() -> None:
     assert d3.propose("a").num_drafts == 0
 
 
+def test_deepest_level_scores_with_the_whole_discount_table() -> None:
+    # U: t -> t + 1 with certainty, so the tree is one chain down to MAX_DEPTH whose scores
+    # are the running products of the discount table.
+    cfg = RecapConfig(top_k=1, node_budget=100, max_depth=MAX_DEPTH, suffix_len=0,
+                      use_context_memories=False)
+    d = Drafter(cfg, 100)
+    start_with_unigram(d, "a", {t: ([t + 1], [1.0]) for t in range(99)}, [0])
+    t = d.propose("a")
+    assert t.num_drafts == MAX_DEPTH and t.is_chain() and t.chain_len == MAX_DEPTH
+    assert t.depths.tolist() == list(range(MAX_DEPTH + 1))
+    np.testing.assert_allclose(t.scores, np.cumprod(discount_table(cfg.depth_discounts)),
+                               rtol=1e-12)
+
+
 # ---------------------------------------------------------------- Token Recycling
 
 
 def test_template_level_sizes_and_layout() -> None:
-    depths, _, _ = tree_structure(TEMPLATE_PARENTS)
+    depths = tree_depths(TEMPLATE_PARENTS)
     assert LEVEL_SIZES == (8, 21, 25, 15, 8, 3) and TEMPLATE_PARENTS.shape == (81,)
     assert np.bincount(depths).tolist() == [1, 8, 21, 25, 15, 8, 3]
     # Rank-0 chain first, then level by level.
@@ -163,8 +178,7 @@ def test_token_recycling_fills_the_template_from_unigram_rows() -> None:
     d = Drafter(RecapConfig(policy=Policy.TOKEN_RECYCLING, node_budget=80), vocab)
     start_with_unigram(d, "a", table, [7])
     t = d.propose("a")
-    depths, _, _ = tree_structure(t.parents)
-    assert t.num_drafts == 80 and np.bincount(depths).tolist() == [1, 8, 21, 25, 15, 8, 3]
+    assert t.num_drafts == 80 and np.bincount(t.depths).tolist() == [1, 8, 21, 25, 15, 8, 3]
     for i in range(1, t.num_nodes):
         assert t.tokens[i] in table[int(t.tokens[t.parents[i]])][0]
     assert sorted(t.tokens[t.parents == 0].tolist()) == sorted(table[7][0])
@@ -195,7 +209,7 @@ def test_fixed_tree_uses_fused_q_in_the_template() -> None:
     start_with_unigram(d, "a", _full_unigram(vocab), [7])
     t = d.propose("a")
     assert 60 <= t.num_drafts <= 80  # repeated edges prune a few template nodes
-    assert tree_structure(t.parents)[0].max() <= 6
+    assert t.depths.max() <= 6
 
 
 # ---------------------------------------------------------------- invariants
@@ -218,9 +232,11 @@ def check_invariants(tree: DraftTree, root: int, budget: int, depth: int, suffix
     width = np.bincount(tree.parents[1:], minlength=n) if n > 1 else np.zeros(1, np.int64)
     assert width.max() <= k + (1 if suffix_len and policy is Policy.RECAP else 0)
     assert tree.tokens[0] == root and tree.parents[0] == -1
-    depths, _, _ = tree_structure(tree.parents)  # parents-first
+    depths = tree_depths(tree.parents)  # parents-first
     for m in range(1, n + 1):
-        tree_structure(tree.parents[:m])  # every prefix is a tree
+        tree_depths(tree.parents[:m])  # every prefix is a tree
+    # The builder's depths survive the chain-first relayout.
+    assert tree.depths.dtype == np.int64 and tree.depths.tolist() == depths.tolist()
     assert depths.max() <= depth
     cap = min(budget, 80) if policy is Policy.TOKEN_RECYCLING else budget + suffix_len
     assert tree.num_drafts <= (cap if budget and depth else 0)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from vllm_recap.core import DraftMode, FusionMode, Policy, RecapConfig, TreeShape
+from vllm_recap.core.config import MAX_DEPTH, discount_table
 
 pytestmark = pytest.mark.unit
 
@@ -22,9 +24,20 @@ def test_defaults_are_paper_scale() -> None:
     assert c.suffix_min_match == 1 and c.suffix_prior == 0.3
 
 
-def test_discount_repeats_last_value() -> None:
-    c = RecapConfig()
-    assert [c.discount(d) for d in (1, 2, 6, 7, 10)] == [0.68, 0.63, 0.38, 0.38, 0.38]
+def test_discount_table_is_indexed_by_depth_and_repeats_the_last_value() -> None:
+    table = discount_table(RecapConfig().depth_discounts)
+    assert table.shape == (MAX_DEPTH + 1,) and table.dtype == np.float64
+    assert table[[0, 1, 2, 6, 7, 10, MAX_DEPTH]].tolist() == [1.0, 0.68, 0.63, 0.38, 0.38, 0.38,
+                                                             0.38]
+    assert discount_table((0.5,)).tolist() == [1.0] + [0.5] * MAX_DEPTH
+    longest = tuple(1.0 / (d + 1) for d in range(MAX_DEPTH))
+    assert discount_table(longest)[1:].tolist() == list(longest)
+
+
+def test_max_depth_range_is_max_depth() -> None:
+    assert RecapConfig(max_depth=MAX_DEPTH).max_depth == MAX_DEPTH == 64
+    with pytest.raises(ValueError, match=r"max_depth = 65 is out of range: .* \[1, 64\]"):
+        RecapConfig(max_depth=MAX_DEPTH + 1)
 
 
 def test_dict_round_trip() -> None:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_recap.core import Drafter, RecapConfig
+from vllm_recap.core.memory import ContextStore
 
 pytestmark = pytest.mark.unit
 
@@ -120,7 +121,8 @@ def test_commit_and_propose_errors() -> None:
     for kwargs, message in (({"node_budget": -1}, "node_budget = -1 must be an int >= 0"),
                             ({"node_budget": True}, "node_budget = True must be"),
                             ({"node_budget": 2.0}, "node_budget = 2.0 must be"),
-                            ({"max_depth": -2}, "max_depth = -2 must be an int >= 0")):
+                            ({"max_depth": -2}, "max_depth = -2 must be an int >= 0"),
+                            ({"max_depth": 65}, "max_depth = 65 must be <= MAX_DEPTH = 64")):
         with pytest.raises(ValueError, match=message):
             d.propose("a", **kwargs)
 
@@ -157,6 +159,20 @@ def test_short_history_writes_only_available_keys() -> None:
     # Root context (4): U only. Node 1 context (4, 6): U and C, no G.
     assert ctx.num_rows == 1 and ctx.row((4, 6)) is not None
     assert d.unigram_table("a").row(4) is not None and d.unigram_table("a").row(6) is not None
+
+
+def test_rows_written_after_the_context_table_grew_are_used() -> None:
+    d = drafter(suffix_len=0)
+    d.start("a", [1, 5, 6])
+    n = 200  # 2 n new keys > the initial rows: observe grows the C/G table before writing
+    d.observe("a", [6] + [3 + i % 29 for i in range(n)], list(range(-1, n)), *rows(n + 1))
+    store = d.context_store("a")
+    assert store.ring.shape[0] > ContextStore.INITIAL_ROWS
+    # Root 6 after (1, 5): G, C and U get (10, 11); node 1 (6 again) overwrites U[6] only.
+    d.observe("a", [6, 6], [-1, 0], np.array([[10, 11], [20, 21]]), np.tile([0.75, 0.25], (2, 1)))
+    assert store is d.context_store("a") and store.row((5, 6))[0].tolist() == [10, 11]
+    assert d.unigram_table("a").row(6)[0].tolist() == [20, 21]
+    assert d.propose("a").draft_tokens[0] == 10  # found C and G in the grown table
 
 
 def test_prompt_rows_with_positions_subset() -> None:

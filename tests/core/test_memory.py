@@ -1,4 +1,4 @@
-"""Memories: C/G hash table (growth, overwrite, FIFO eviction), U table, U partitions, rows."""
+"""Memories: C/G hash table (growth, overwrite, FIFO eviction), U table, U partitions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_recap.core import _kernels as kernels
-from vllm_recap.core import topk_rows_from_logits
 from vllm_recap.core.memory import ContextStore, UnigramPartitions, UnigramTable
 
 pytestmark = pytest.mark.unit
@@ -29,7 +28,7 @@ def put(store: ContextStore, u: UnigramTable, contexts: list[tuple[int, int, int
     ids = np.array([[f, f + 1] for f in first_ids], np.int64).reshape(-1, KW)
     probs = np.tile(np.array([0.75, 0.25], np.float32), (len(contexts), 1))
     store.reserve(2 * len(contexts))
-    assert kernels.observe_contexts(ctx3, ids, probs, u.rows, True, *store.arrays()) == 0
+    assert kernels.observe_contexts(ctx3, ids, probs, (u.rows, True, *store.arrays())) == 0
 
 
 def test_rows_keyed_by_two_and_three_tokens() -> None:
@@ -109,13 +108,17 @@ def test_partitions_are_lru_bounded() -> None:
     assert all(t.nbytes == 10 * (2 * KW + 1) * 4 for t in parts.tables())
 
 
-def test_topk_rows_from_logits() -> None:
-    logits = np.array([[0.0, 3.0, 1.0, 3.0, -1.0],
-                       [5.0, 4.0, 3.0, 2.0, 1.0]])
-    ids, probs = topk_rows_from_logits(logits, 3)
-    assert ids.tolist() == [[1, 3, 2], [0, 1, 2]]  # ties: lower id first
-    e = np.exp([0.0, 0.0, -2.0])
-    np.testing.assert_allclose(probs[0], e / e.sum(), rtol=1e-6)
-    assert probs.dtype == np.float32 and ids.dtype == np.int64
-    with pytest.raises(ValueError, match="vocab >= k=6"):
-        topk_rows_from_logits(logits, 6)
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_new_unigram_tables_cost_no_memory_until_written() -> None:
+    """A client cycling cache salts creates a table per salt inside the engine loop: creation
+    must not fill megabytes (it used to write conf = -1 into every row)."""
+    before = _rss_bytes()
+    tables = [UnigramTable(262_144, 8) for _ in range(8)]  # 8 x 17.8 MB if touched
+    grown = _rss_bytes() - before
+    assert grown < 16 * 2**20, f"creating 8 tables touched {grown / 2**20:.0f} MiB"
+    assert all(t.num_rows == 0 and t.row(5) is None for t in tables)

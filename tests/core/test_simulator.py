@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.core.targets import NGramTarget, PoolTarget, RecordedTarget, TableTarget
 from vllm_recap.core import Drafter, Policy, RecapConfig
 from vllm_recap.core.simulator import simulate
-from vllm_recap.core.targets import NGramTarget, PoolTarget, RecordedTarget, TableTarget
 
 pytestmark = pytest.mark.unit
 

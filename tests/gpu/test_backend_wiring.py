@@ -26,11 +26,12 @@ def test_subclasses_resolve_by_their_qualified_name(vllm_fa):
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     from vllm_recap.vllm import cuda_backend as cb
+    from vllm_recap.vllm.cuda_recompute import BACKEND_PATH
 
     backend = cb.RecapFlashAttentionBackend
     assert issubclass(backend, flash_attn.FlashAttentionBackend)
-    assert ".".join(backend.full_cls_name()) == cb.BACKEND_PATH
-    assert resolve_obj_by_qualname(cb.BACKEND_PATH) is backend
+    assert ".".join(backend.full_cls_name()) == BACKEND_PATH
+    assert resolve_obj_by_qualname(BACKEND_PATH) is backend
     assert backend.get_name() == "FLASH_ATTN"
     assert issubclass(backend.get_impl_cls(), flash_attn.FlashAttentionImpl)
     builder = backend.get_builder_cls()
@@ -56,11 +57,12 @@ def test_install_points_flash_attn_at_the_subclass(vllm_fa):
     from vllm.config import AttentionConfig
 
     from vllm_recap.vllm import cuda_backend as cb
+    from vllm_recap.vllm.cuda_recompute import install_cuda_backend
 
     enum = registry.AttentionBackendEnum
     config = type("Cfg", (), {"attention_config": AttentionConfig()})()
     try:
-        cb.install_cuda_backend(config, registry.register_backend, enum)
+        install_cuda_backend(config, registry.register_backend, enum)
         assert config.attention_config.backend == enum.FLASH_ATTN
         assert enum.FLASH_ATTN.get_class() is cb.RecapFlashAttentionBackend
     finally:

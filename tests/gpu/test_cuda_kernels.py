@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from benchmarks.gpu_tree_verify import check_recompute, flash_version, random_tree, synthetic_step
-from vllm_recap.vllm import cuda_backend as cb
-from vllm_recap.vllm.lse_merge import masked_attention_with_lse, prefix_attention_with_lse
+from tests.reference_attention import dense_attention, visible
+from vllm_recap.vllm import cuda_recompute as cb
+from vllm_recap.vllm.attention_math import masked_attention
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -73,14 +74,14 @@ def test_flash_path_matches_reference(shape, softcap, version):
 def test_flash_prefix_lse_is_natural_log_per_row(version):
     """FlashAttention's prefix output and LSE (layout, base) == the torch prefix part."""
     step, cfg = _step("7b", seed=2)
-    batch = cb.tree_batch(step.plan, step.md, step.query.device)
+    batch = cb.tree_batch(step.ctx, step.md, step.query.device)
     q = step.query.index_select(0, batch.rows)
     out, lse = cb.flash_prefix_attention(q, step.cache, step.md.block_table, batch,
                                          replace(cfg, fa_version=version))
     off = 0
     for b, n, p in zip(batch.requests, batch.nodes, batch.prefixes):
         k_pre, v_pre = cb.gather_prefix_flash(step.cache, step.md.block_table[b], p)
-        ref_o, ref_l = prefix_attention_with_lse(q[off:off + n], k_pre, v_pre, cfg.scale)
+        ref_o, ref_l = masked_attention(q[off:off + n], k_pre, v_pre, None, cfg.scale)
         torch.testing.assert_close(out[off:off + n].float(), ref_o, rtol=BF16_TOL, atol=BF16_TOL)
         torch.testing.assert_close(lse[off:off + n], ref_l, rtol=1e-3, atol=5e-3)
         off += n
@@ -92,8 +93,10 @@ def test_impl_forward_and_kv_compaction_end_to_end():
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
 
-    from vllm_recap.vllm import step as step_mod
-    from vllm_recap.vllm.step import build_plan
+    from vllm_recap.core.tree import DraftTree
+    from vllm_recap.vllm.context import StepContext, StepScope
+    from vllm_recap.vllm.cuda_backend import RecapFlashAttentionImpl
+    from vllm_recap.vllm.layout import build_plan
     from vllm_recap.vllm.verifier import compact_kv
 
     h, kvh, d, requests = SHAPES["small"]
@@ -104,7 +107,7 @@ def test_impl_forward_and_kv_compaction_end_to_end():
                            parallel_config=SimpleNamespace(decode_context_parallel_size=1,
                                                            dcp_comm_backend="ag_rs"))
     with set_current_vllm_config(fake):
-        impl = cb.RecapFlashAttentionImpl(num_heads=h, head_size=d, scale=d ** -0.5,
+        impl = RecapFlashAttentionImpl(num_heads=h, head_size=d, scale=d ** -0.5,
                                           num_kv_heads=kvh, alibi_slopes=None,
                                           sliding_window=None, kv_cache_dtype="auto")
     one = torch.ones(1, device=dev)
@@ -128,30 +131,31 @@ def test_impl_forward_and_kv_compaction_end_to_end():
         seq_lens=ref.md.seq_lens,
         block_table=ref.md.block_table, slot_mapping=ref.md.slot_mapping)
     names = [f"r{i}" for i in range(len(requests))]
+    proposals = {nm: DraftTree(np.zeros(len(par), np.int64), np.asarray(par),
+                               np.ones(len(par))) for nm, (_, par) in zip(names, requests)}
     plan = build_plan(names, np.array(n_tok), ref.qsl.numpy(),
-                      {nm: [0] * (n - 1) for nm, n in zip(names, n_tok)},
-                      {nm: par for nm, (_, par) in zip(names, requests)})
+                      {nm: t.draft_tokens.tolist() for nm, t in proposals.items()}, proposals,
+                      np.array([p for p, _ in requests]), np.ones(len(requests)))
     out = torch.full((sum(n_tok), h * d), float("nan"), dtype=torch.bfloat16, device=dev)
-    step_mod.CURRENT = plan
-    try:
-        impl.forward(layer, ref.query, ref.key, ref.value, cache, md, out)
-    finally:
-        step_mod.CURRENT = None
+    scope, ctx = StepScope(), StepContext(plan)
+    impl.bind_step_scope(scope)
+    scope.install(ctx)
+    impl.forward(layer, ref.query, ref.key, ref.value, cache, md, out)
     out = out.view(-1, h, d).float()
     trees = plan.tree_by_batch_index()
     for b, (p, par) in enumerate(requests):
         n = len(par)
         k, v = (t.float().to(dev) for t in ref.seqs[b])
-        allowed = torch.ones(n, p + n, dtype=torch.bool, device=dev).tril(p)
+        allowed = torch.ones(n, p + n, dtype=torch.bool).tril(p)
         if b in trees:
-            allowed[:, p:] = torch.from_numpy(trees[b].ancestor_mask).to(dev)
-        exp, _ = masked_attention_with_lse(ref.qs[b].to(dev), k, v, allowed, d ** -0.5)
+            allowed = visible(list(par), p)
+        exp = dense_attention(ref.qs[b], k.cpu(), v.cpu(), allowed, d ** -0.5).to(dev)
         a = int(ref.qsl[b])
         torch.testing.assert_close(out[a:a + n], exp, rtol=BF16_TOL, atol=BF16_TOL)
 
     b, tree = next(iter(trees.items()))
     path = _off_chain_path(tree.parents)
-    assert len(plan.kv_stash) == len(trees) and compact_kv(plan, {b: path}) == 1
+    assert len(ctx.kv_stash) == len(trees) and compact_kv(ctx.kv_stash, {b: path}) == 1
     p = requests[b][0]
     got_k, got_v = cb.gather_prefix_flash(cache, md.block_table[b], p + 1 + len(path), p + 1)
     want_k, want_v = (t[p + torch.from_numpy(path)].to(dev) for t in ref.seqs[b])

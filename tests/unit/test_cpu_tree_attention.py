@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_recap.core.tree import tree_structure
-from vllm_recap.vllm import step as step_mod
-from vllm_recap.vllm.step import build_plan, chain_parents
-from vllm_recap.vllm.tree_attention import tree_attention
+from tests.reference_attention import dense_attention, tree_reference, visible
+from vllm_recap.core.tree import DraftTree
+from vllm_recap.vllm.attention_math import tree_attention
+from vllm_recap.vllm.context import StepContext, StepScope
+from vllm_recap.vllm.layout import build_plan, chain_parents
 
 pytestmark = pytest.mark.unit
 
@@ -23,16 +24,6 @@ TREE = np.array([-1, 0, 0, 0, 1, 3, 3, 4, 4])
 # (name, prefix length, parents of the scheduled tokens or None for a causal chunk, blocks)
 REQUESTS = [("prefill", 0, 20, None, [4]), ("chain", 40, 3, chain_parents(3), [0, 1]),
             ("tree", 50, len(TREE), TREE, [2, 3])]
-
-
-def _dense(q, keys, values, allowed, scale):
-    """[n, H, D] softmax attention of q over keys [S, KVH, D] where allowed [n, S]."""
-    g = H // KVH
-    k = keys.repeat_interleave(g, dim=1)  # [S, H, D]
-    v = values.repeat_interleave(g, dim=1)
-    scores = torch.einsum("nhd,shd->hns", q.double(), k.double()) * scale
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("hns,shd->nhd", torch.softmax(scores, -1), v.double()).float()
 
 
 @pytest.fixture(scope="module")
@@ -87,41 +78,37 @@ def _run(impl_and_ops, seed):
         max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
         block_table=torch.tensor(block_rows, dtype=torch.int32), slot_mapping=slot_mapping,
         scheduler_metadata=sched)
-    drafts = {r[0]: [0] * (r[2] - 1) for r in REQUESTS if r[3] is not None}
-    parents = {r[0]: r[3] for r in REQUESTS if r[3] is not None}
-    plan = build_plan([r[0] for r in REQUESTS], np.array(n_tok), qsl.numpy(), drafts, parents)
+    trees = {r[0]: DraftTree(np.zeros(r[2], np.int64), np.asarray(r[3]), np.ones(r[2]))
+             for r in REQUESTS if r[3] is not None}
+    drafts = {name: t.draft_tokens.tolist() for name, t in trees.items()}
+    plan = build_plan([r[0] for r in REQUESTS], np.array(n_tok), qsl.numpy(), drafts, trees,
+                      np.array([r[1] for r in REQUESTS]), np.array([1, 1, 1]))
     output = torch.full((int(qsl[-1]), H, D), float("nan"))
-    step_mod.CURRENT = plan
-    try:
-        impl.forward(layer, query, key, value, kv_cache, meta, output)
-    finally:
-        step_mod.CURRENT = None
-    return plan, seqs, q_all, output.view(-1, H, D), qsl
+    scope, ctx = StepScope(), StepContext(plan)
+    impl.bind_step_scope(scope)
+    scope.install(ctx)
+    impl.forward(layer, query, key, value, kv_cache, meta, output)
+    return ctx, seqs, q_all, output.view(-1, H, D), qsl
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_masked_attention_matches_dense_reference(impl_and_ops, seed):
-    plan, seqs, q_all, out, qsl = _run(impl_and_ops, seed)
+    ctx, seqs, q_all, out, qsl = _run(impl_and_ops, seed)
     assert not torch.isnan(out).any(), "a row was left unwritten"
-    scale = D ** -0.5
-    for r, (name, prefix, n, parents, _blocks) in enumerate(REQUESTS):
+    for r, (_name, prefix, n, parents, _blocks) in enumerate(REQUESTS):
         k, v = seqs[r]
-        allowed = torch.zeros(n, prefix + n, dtype=torch.bool)
-        allowed[:, :prefix] = True
-        if parents is None or name == "chain":
-            allowed[:, prefix:] = torch.tril(torch.ones(n, n, dtype=torch.bool))
-        else:
-            allowed[:, prefix:] = torch.from_numpy(tree_structure(parents)[2])
-        expected = _dense(q_all[r], k, v, allowed, scale)
+        # a prefill chunk and a chain are causal: a chain's parent array
+        path_parents = chain_parents(n) if parents is None else parents
+        expected = tree_reference(q_all[r], k, v, path_parents, prefix, D ** -0.5)
         got = out[int(qsl[r]):int(qsl[r + 1])]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # the tree request's K/V were stashed for KV compaction, one entry per layer call
-    assert [e[3] for e in plan.kv_stash] == [2]
+    assert [e.batch_index for e in ctx.kv_stash] == [2]
 
 
 def test_tree_attention_equals_chain_attention_over_ancestors(impl_and_ops):
     """Row i of a tree equals plain causal attention over prefix + the path root..i."""
-    _plan, seqs, q_all, out, qsl = _run(impl_and_ops, 7)
+    _ctx, seqs, q_all, out, qsl = _run(impl_and_ops, 7)
     r = 2
     _name, prefix, n, parents, _ = REQUESTS[r]
     k, v = seqs[r]
@@ -132,25 +119,26 @@ def test_tree_attention_equals_chain_attention_over_ancestors(impl_and_ops):
             j = int(parents[j])
         path = path[::-1]
         idx = torch.tensor(list(range(prefix)) + [prefix + p for p in path])
-        chain = tree_attention(q_all[r][i:i + 1], k[idx[:-1]], v[idx[:-1]], k[idx[-1:]],
-                               v[idx[-1:]], torch.ones(1, 1, dtype=torch.bool), D ** -0.5)
+        causal = torch.ones(1, len(idx), dtype=torch.bool)  # the last query sees everything
+        chain = dense_attention(q_all[r][i:i + 1], k[idx], v[idx], causal, D ** -0.5)
         torch.testing.assert_close(out[int(qsl[r]) + i], chain[0], rtol=1e-5, atol=1e-5)
 
 
-def test_sliding_window_masks_old_prefix_keys():
+@pytest.mark.parametrize("window,softcap", [(4, 0.0), (2, 0.0), (6, 20.0)])
+def test_sliding_window_and_softcap_match_the_reference(window, softcap):
     g = torch.Generator().manual_seed(3)
-    n, p, window = 3, 10, 4
+    n, p = 5, 10
+    parents = np.array([-1, 0, 0, 1, 3])
     q = torch.randn(n, H, D, generator=g)
-    kp, vp = torch.randn(p, KVH, D, generator=g), torch.randn(p, KVH, D, generator=g)
-    kt, vt = torch.randn(n, KVH, D, generator=g), torch.randn(n, KVH, D, generator=g)
-    parents = np.array([-1, 0, 0])
-    mask = torch.from_numpy(tree_structure(parents)[2])
-    pos = torch.tensor([p, p + 1, p + 1])
-    out = tree_attention(q, kp, vp, kt, vt, mask, D ** -0.5, node_positions=pos,
-                         sliding_window=window)
-    keys, values = torch.cat([kp, kt]), torch.cat([vp, vt])
-    key_pos = torch.cat([torch.arange(p), pos])
-    allowed = torch.ones(n, p + n, dtype=torch.bool)
-    allowed[:, p:] = mask
-    allowed &= key_pos[None] > pos[:, None] - window
-    torch.testing.assert_close(out, _dense(q, keys, values, allowed, D ** -0.5), rtol=1e-5, atol=1e-5)
+    k, v = torch.randn(p + n, KVH, D, generator=g), torch.randn(p + n, KVH, D, generator=g)
+    tree = DraftTree(np.zeros(n, np.int64), parents, np.ones(n))
+    mask = torch.from_numpy(build_plan(["r"], np.array([n]), np.array([0, n]),
+                                       {"r": [0] * (n - 1)}, {"r": tree}, np.array([p]),
+                                       np.array([1])).trees[0].ancestor_mask)
+    pos = torch.from_numpy(tree.depths) + p
+    out = tree_attention(q, k[:p], v[:p], k[p:], v[p:], mask, D ** -0.5, node_positions=pos,
+                         sliding_window=window, softcap=softcap)
+    expected = tree_reference(q, k, v, parents, p, D ** -0.5, window, softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # the reference's window hides old prefix keys from the deepest node (not a no-op)
+    assert not visible(list(parents), p, window)[-1, :p].all()

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_recap.vllm import cuda_backend as cb
-from vllm_recap.vllm.lse_merge import masked_attention_with_lse, merge_by_lse, split_tree_attention
-from vllm_recap.vllm.step import build_plan, chain_parents
-from vllm_recap.vllm.tree_attention import tree_attention
+from tests.reference_attention import dense_attention, tree_reference
+from vllm_recap.core.tree import DraftTree
+from vllm_recap.vllm import cuda_recompute as cb
+from vllm_recap.vllm.attention_math import merge_by_lse
+from vllm_recap.vllm.context import StepContext
+from vllm_recap.vllm.layout import build_plan, chain_parents
 
 pytestmark = pytest.mark.unit
 
@@ -59,26 +61,24 @@ def _step(seed: int, *, sliding_window: int = -1, softcap: float = 0.0):
         query_start_loc=qsl, block_table=torch.tensor(rows, dtype=torch.int32),
         seq_lens=torch.tensor([r[1] + n for r, n in zip(REQUESTS, n_tok)], dtype=torch.int32),
         slot_mapping=torch.cat(slots))
-    drafts = {r[0]: [0] * (n - 1) for r, n in zip(REQUESTS, n_tok) if r[2] is not None}
-    parents = {r[0]: r[2] for r in REQUESTS if r[2] is not None}
-    plan = build_plan([r[0] for r in REQUESTS], np.array(n_tok), qsl.numpy(), drafts, parents)
+    trees = {r[0]: DraftTree(np.zeros(len(r[2]), np.int64), np.asarray(r[2]),
+                             np.ones(len(r[2]))) for r in REQUESTS if r[2] is not None}
+    drafts = {name: t.draft_tokens.tolist() for name, t in trees.items()}
+    plan = build_plan([r[0] for r in REQUESTS], np.array(n_tok), qsl.numpy(), drafts, trees,
+                      np.array([r[1] for r in REQUESTS]), np.ones(len(REQUESTS)))
     cfg = cb.HeadConfig(H, D, D ** -0.5, sliding_window, softcap)
     query, key, value = torch.cat(qs), torch.cat(ks), torch.cat(vs)
     output = torch.full((int(qsl[-1]), H * D), float("nan"))
     return SimpleNamespace(cache=cache, seqs=seqs, q=qs, query=query, key=key, value=value,
-                           md=md, plan=plan, cfg=cfg, output=output, qsl=qsl)
+                           md=md, plan=plan, ctx=StepContext(plan), cfg=cfg, output=output,
+                           qsl=qsl)
 
 
 def _expected(s, r: int) -> torch.Tensor:
     _name, prefix, parents, _ = REQUESTS[r]
     k, v = s.seqs[r]
-    depths = torch.tensor([0] * len(parents))
-    for i in range(1, len(parents)):
-        depths[i] = depths[parents[i]] + 1
-    mask = s.plan.tree_by_batch_index()[r].ancestor_mask
-    return tree_attention(s.q[r], k[:prefix], v[:prefix], k[prefix:], v[prefix:],
-                          torch.from_numpy(mask), s.cfg.scale, node_positions=depths + prefix,
-                          sliding_window=s.cfg.sliding_window, softcap=s.cfg.softcap)
+    return tree_reference(s.q[r], k, v, parents, prefix, s.cfg.scale, s.cfg.sliding_window,
+                          s.cfg.softcap)
 
 
 def _tree_rows(s) -> list[int]:
@@ -89,7 +89,7 @@ def _tree_rows(s) -> list[int]:
                                                  (3, -1, 5.0), (4, 13, 30.0)])
 def test_recompute_matches_dense_reference_and_writes_only_tree_rows(seed, window, softcap):
     s = _step(seed, sliding_window=window, softcap=softcap)
-    cb.recompute_tree_rows(s.cfg, s.plan, s.query, s.key, s.value, s.cache, s.md, s.output,
+    cb.recompute_tree_rows(s.cfg, s.ctx, s.query, s.key, s.value, s.cache, s.md, s.output,
                            stash_owner=("impl", "layer"))
     out = s.output.view(-1, H, D)
     written = torch.zeros(out.shape[0], dtype=torch.bool)
@@ -103,31 +103,31 @@ def test_recompute_matches_dense_reference_and_writes_only_tree_rows(seed, windo
 
 def test_stash_holds_each_tree_requests_kv_and_slots():
     s = _step(5)
-    cb.recompute_tree_rows(s.cfg, s.plan, s.query, s.key, s.value, s.cache, s.md, s.output,
+    cb.recompute_tree_rows(s.cfg, s.ctx, s.query, s.key, s.value, s.cache, s.md, s.output,
                            stash_owner=("impl", "layer"))
-    assert [e[3] for e in s.plan.kv_stash] == [0, 3]
-    for impl, layer, kv_cache, b, k, v, slots in s.plan.kv_stash:
-        a, z = int(s.qsl[b]), int(s.qsl[b + 1])
-        assert (impl, layer, kv_cache) == ("impl", "layer", s.cache)
-        torch.testing.assert_close(k, s.key[a:z], rtol=0, atol=0)
-        torch.testing.assert_close(v, s.value[a:z], rtol=0, atol=0)
-        assert torch.equal(slots, s.md.slot_mapping[a:z])
+    assert [e.batch_index for e in s.ctx.kv_stash] == [0, 3]
+    for e in s.ctx.kv_stash:
+        a, z = int(s.qsl[e.batch_index]), int(s.qsl[e.batch_index + 1])
+        assert (e.writer, e.layer, e.kv_cache) == ("impl", "layer", s.cache)
+        torch.testing.assert_close(e.key, s.key[a:z], rtol=0, atol=0)
+        torch.testing.assert_close(e.value, s.value[a:z], rtol=0, atol=0)
+        assert torch.equal(e.slots, s.md.slot_mapping[a:z])
     s.md.slot_mapping.fill_(-1)  # vLLM reuses the buffer next step: the stash must not alias it
-    assert (s.plan.kv_stash[0][6] >= 0).all()
+    assert (s.ctx.kv_stash[0].slots >= 0).all()
 
 
 def test_key_value_bypass_reads_the_nodes_from_their_slots():
     s, t = _step(6), _step(6)
-    cb.recompute_tree_rows(s.cfg, s.plan, s.query, s.key, s.value, s.cache, s.md, s.output)
-    cb.recompute_tree_rows(t.cfg, t.plan, t.query, None, None, t.cache, t.md, t.output)
+    cb.recompute_tree_rows(s.cfg, s.ctx, s.query, s.key, s.value, s.cache, s.md, s.output)
+    cb.recompute_tree_rows(t.cfg, t.ctx, t.query, None, None, t.cache, t.md, t.output)
     torch.testing.assert_close(s.output, t.output, rtol=0, atol=0, equal_nan=True)
-    assert s.plan.kv_stash == []  # no owner: nothing stashed
+    assert s.ctx.kv_stash == []  # no owner: nothing stashed
 
 
 def test_tree_attention_equals_chain_attention_over_ancestors():
     """Row i of a tree = plain causal attention over prefix + the path root..i."""
     s = _step(7)
-    cb.recompute_tree_rows(s.cfg, s.plan, s.query, s.key, s.value, s.cache, s.md, s.output)
+    cb.recompute_tree_rows(s.cfg, s.ctx, s.query, s.key, s.value, s.cache, s.md, s.output)
     out = s.output.view(-1, H, D)
     for r in _tree_rows(s):
         _name, prefix, parents, _ = REQUESTS[r]
@@ -138,23 +138,9 @@ def test_tree_attention_equals_chain_attention_over_ancestors():
                 path.append(prefix + j)
                 j = int(parents[j])
             idx = torch.tensor(list(range(prefix)) + path[::-1])
-            chain, _ = masked_attention_with_lse(s.q[r][i:i + 1], k[idx], v[idx], None, s.cfg.scale)
+            causal = torch.ones(1, len(idx), dtype=torch.bool)
+            chain = dense_attention(s.q[r][i:i + 1], k[idx], v[idx], causal, s.cfg.scale)
             torch.testing.assert_close(out[int(s.qsl[r]) + i], chain[0], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_split_merge_equals_dense_reference(seed):
-    g = torch.Generator().manual_seed(seed)
-    n, p = 7, 40
-    parents = np.array([-1, 0, 0, 1, 1, 2, 5])
-    mask = torch.from_numpy(build_plan(["r"], np.array([n]), np.array([0, n]), {"r": [0] * 6},
-                                       {"r": parents}).trees[0].ancestor_mask)
-    q = torch.randn(n, 8, 32, generator=g)
-    kp, vp = torch.randn(p, 2, 32, generator=g), torch.randn(p, 2, 32, generator=g)
-    kt, vt = torch.randn(n, 2, 32, generator=g), torch.randn(n, 2, 32, generator=g)
-    ref = tree_attention(q, kp, vp, kt, vt, mask, 0.2)
-    torch.testing.assert_close(split_tree_attention(q, kp, vp, kt, vt, mask, 0.2), ref,
-                               rtol=1e-5, atol=1e-5)
 
 
 def test_merge_by_lse_handles_empty_parts():
@@ -211,43 +197,48 @@ class _Enum:
 def test_install_pins_flash_attn_and_registers_the_subclass():
     calls = []
     config = SimpleNamespace(attention_config=SimpleNamespace(backend=None, backend_per_kind={}))
-    cb.install_cuda_backend(config, lambda b, path: calls.append((b, path)), _Enum)
+    assert cb.install_cuda_backend(config, lambda b, path: calls.append((b, path)), _Enum) is None
     assert config.attention_config.backend is _Enum.FLASH_ATTN
     assert calls == [(_Enum.FLASH_ATTN, "vllm_recap.vllm.cuda_backend.RecapFlashAttentionBackend")]
 
 
 @pytest.mark.parametrize("backend,per_kind", [(_Enum.TRITON_ATTN, {}),
                                               (None, {"full_attention": _Enum.TRITON_ATTN})])
-def test_install_refuses_another_requested_backend(backend, per_kind):
+def test_another_requested_backend_means_chains_not_a_failed_start(backend, per_kind):
     config = SimpleNamespace(attention_config=SimpleNamespace(backend=backend,
                                                               backend_per_kind=per_kind))
-    with pytest.raises(ValueError, match="asks for TRITON_ATTN"):
-        cb.install_cuda_backend(config, lambda *a: None, _Enum)
+    calls = []
+    reason = cb.install_cuda_backend(config, lambda *a: calls.append(a), _Enum)
+    assert "asks for TRITON_ATTN" in reason and calls == []
+    assert config.attention_config.backend is backend  # nothing pinned
 
 
-def test_check_supported_refuses_unsupported_layers():
+def test_layer_reasons_name_what_the_tree_path_cannot_do():
     ok = dict(alibi_slopes=None, sinks=None, kv_cache_dtype="auto", dcp_world_size=1)
     md = SimpleNamespace(rswa_prefix_lens=None)
+    assert cb.layer_reason(SimpleNamespace(**ok)) is None
     cb.check_supported(SimpleNamespace(**ok), md)
-    for bad in ({"kv_cache_dtype": "fp8"}, {"sinks": torch.zeros(1)}, {"dcp_world_size": 2}):
+    for bad, words in (({"kv_cache_dtype": "fp8"}, "'fp8' KV cache"),
+                       ({"sinks": torch.zeros(1)}, "attention sinks"),
+                       ({"dcp_world_size": 2}, "decode context parallelism")):
+        assert words in cb.layer_reason(SimpleNamespace(**{**ok, **bad}))
         with pytest.raises(RuntimeError, match="draft_mode': 'chain'"):
             cb.check_supported(SimpleNamespace(**{**ok, **bad}), md)
 
 
 def test_module_imports_without_vllm_or_the_core(monkeypatch):
-    """Fresh import with vllm, numba and the RECAP core made unimportable (None in sys.modules)."""
+    """Fresh import with vllm, numba and the RECAP core made unimportable (None in sys.modules):
+    the GPU script runs it on machines that have torch alone."""
     import importlib
 
     import vllm_recap.vllm as pkg
 
     loaded_vllm = [m for m in sys.modules if m.startswith("vllm.")]  # other tests may import it
-    for name in ("vllm", "numba", "vllm_recap.core", "vllm_recap.vllm.step", *loaded_vllm):
+    for name in ("vllm", "numba", "vllm_recap.core", *loaded_vllm):
         monkeypatch.setitem(sys.modules, name, None)
-    for name in ("cuda_backend", "lse_merge"):
+    for name in ("cuda_recompute", "attention_math", "context"):
         # restore the package attribute too, which the fresh import below rebinds
         monkeypatch.setattr(pkg, name, sys.modules[f"vllm_recap.vllm.{name}"])
         monkeypatch.delitem(sys.modules, f"vllm_recap.vllm.{name}")
-    fresh = importlib.import_module("vllm_recap.vllm.cuda_backend")
+    fresh = importlib.import_module("vllm_recap.vllm.cuda_recompute")
     assert fresh is not cb and fresh.flash_varlen_func() is None
-    with pytest.raises(ImportError):
-        fresh.RecapFlashAttentionBackend  # the vLLM subclasses are built lazily, with vLLM

@@ -17,10 +17,10 @@ pytestmark = pytest.mark.unit
 
 def test_gpu_tree_verify_small_with_torch_alone(tmp_path: Path, monkeypatch) -> None:
     loaded_vllm = [m for m in sys.modules if m.startswith("vllm.")]  # other tests may import it
-    for name in ("vllm", "numba", "vllm_recap.core", "vllm_recap.vllm.step", *loaded_vllm):
+    for name in ("vllm", "numba", "vllm_recap.core", *loaded_vllm):
         monkeypatch.setitem(sys.modules, name, None)
-    for name in ("benchmarks.gpu_tree_verify", "vllm_recap.vllm.cuda_backend",
-                 "vllm_recap.vllm.lse_merge"):
+    for name in ("benchmarks.gpu_tree_verify", "vllm_recap.vllm.cuda_recompute",
+                 "vllm_recap.vllm.attention_math", "vllm_recap.vllm.context"):
         if name in sys.modules:
             parent, _, child = name.rpartition(".")
             # restore the package attribute too, which the fresh import below rebinds

@@ -58,10 +58,27 @@ def test_bad_enum_names_allowed_values():
         translate({"method": "recap", "draft_mode": "beam"})
 
 
-@pytest.mark.parametrize("n", [0, -3, 2.5, True])
+@pytest.mark.parametrize("n", [0, -3, 2.5, True, 129])
 def test_bad_num_speculative_tokens(n):
-    with pytest.raises(ValueError, match=r"num_speculative_tokens = .* must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens = .* must be an int in "
+                                         r"\[1, 128\]"):
         translate({"method": "recap", "num_speculative_tokens": n})
+
+
+def test_node_budget_beyond_vllms_draft_cap_is_refused_at_creation():
+    """vLLM asserts at most 128 drafts per request in the middle of serving; refuse first."""
+    with pytest.raises(ValueError, match=r"up to 204 draft tokens .* verifies at most 128"):
+        translate({"method": "recap", "node_budget": 200}, "cuda")
+    # an explicit cap keeps the larger tree budget usable
+    vllm_spec, recap = translate({"method": "recap", "node_budget": 200,
+                                  "num_speculative_tokens": 128}, "cuda")
+    assert vllm_spec["num_speculative_tokens"] == 128 and recap["node_budget"] == 200
+
+
+def test_pipeline_parallelism_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match=r"does not support pipeline parallelism "
+                                         r"\(pipeline_parallel_size = 2\)"):
+        translate({"method": "recap"}, "cpu", pipeline_parallel_size=2)
 
 
 def test_dashes_are_accepted_like_vllm_cli():

@@ -5,8 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_recap.vllm.step import build_plan, chain_parents
-from vllm_recap.vllm.verifier import accept_trees, compact_kv, tree_argmax
+from vllm_recap.core.tree import DraftTree
+from vllm_recap.vllm.context import StashedKV
+from vllm_recap.vllm.layout import build_plan, chain_parents, next_prefill_tokens
+from vllm_recap.vllm.verifier import (
+    accept_trees,
+    compact_kv,
+    node_tokens_of_rows,
+    topk_rows,
+    tree_argmax,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -18,14 +26,21 @@ pytestmark = pytest.mark.unit
 TREE = np.array([-1, 0, 0, 0, 1, 3, 3])
 
 
-def _plan():
+def _tree(tokens, parents) -> DraftTree:
+    return DraftTree(np.asarray(tokens, np.int64), np.asarray(parents, np.int64),
+                     np.ones(len(tokens)))
+
+
+def _plan(num_computed=(0, 30, 40), num_prompt=(9, 9, 9)):
     # batch: r0 prefill chunk of 5 tokens, r1 tree of 7 nodes, r2 chain of 3 nodes
     req_ids = ["r0", "r1", "r2"]
     num_sched = np.array([5, 7, 3])
     qsl = np.array([0, 5, 12, 15])
-    drafts = {"r1": [11, 12, 13, 14, 15, 16], "r2": [21, 22]}
-    parents = {"r1": TREE, "r2": chain_parents(3)}
-    return build_plan(req_ids, num_sched, qsl, drafts, parents)
+    proposals = {"r1": _tree([10, 11, 12, 13, 14, 15, 16], TREE),
+                 "r2": _tree([20, 21, 22], chain_parents(3))}
+    drafts = {r: t.draft_tokens.tolist() for r, t in proposals.items()}
+    return build_plan(req_ids, num_sched, qsl, drafts, proposals, np.array(num_computed),
+                      np.array(num_prompt))
 
 
 def test_plan_layout():
@@ -39,13 +54,20 @@ def test_plan_layout():
     assert tree.ancestor_mask[5].tolist() == [True, False, False, True, False, True, False]
 
 
+def _one(drafts, proposals):
+    n = 1 + len(drafts)
+    return build_plan(["r1"], np.array([n]), np.array([0, n]), {"r1": drafts}, proposals,
+                      np.array([30]), np.array([9]))
+
+
 def test_truncated_drafts_keep_a_valid_prefix_tree():
-    plan = build_plan(["r1"], np.array([4]), np.array([0, 4]), {"r1": [11, 12, 13]}, {"r1": TREE})
+    plan = _one([11, 12, 13], {"r1": _tree([10, 11, 12, 13, 14, 15, 16], TREE)})
     assert plan.parents[0].tolist() == [-1, 0, 0, 0]
+    assert plan.trees[0].depths.tolist() == [0, 1, 1, 1]
 
 
 def test_missing_record_means_chain():
-    plan = build_plan(["r"], np.array([3]), np.array([0, 3]), {"r": [1, 2]}, {})
+    plan = _one([1, 2], {})
     assert plan.parents[0].tolist() == [-1, 0, 1] and plan.trees == []
 
 
@@ -86,14 +108,16 @@ class _FakeImpl:
         self.calls.append((layer, k.clone(), v.clone(), slots.clone()))
 
 
+def _stash(impl, layer, k, v, slots, batch_index=1) -> StashedKV:
+    return StashedKV(impl, layer, None, batch_index, k, v, slots)
+
+
 def test_compaction_moves_only_off_chain_nodes_in_depth_order():
-    plan = _plan()
     impl = _FakeImpl()
     k = torch.arange(7, dtype=torch.float32)[:, None, None].expand(7, 1, 2)
     slots = torch.arange(100, 107)
-    for layer in ("L0", "L1"):
-        plan.kv_stash.append((impl, layer, None, 1, k, -k, slots))
-    n = compact_kv(plan, {1: np.array([3, 6])})
+    stash = [_stash(impl, layer, k, -k, slots) for layer in ("L0", "L1")]
+    n = compact_kv(stash, {1: np.array([3, 6])})
     assert n == 2
     for layer, kk, vv, ss in impl.calls:
         assert kk[:, 0, 0].tolist() == [3.0, 6.0]  # sources: node 3 and node 6
@@ -102,22 +126,38 @@ def test_compaction_moves_only_off_chain_nodes_in_depth_order():
 
 
 def test_compaction_skips_acceptance_already_in_place():
-    plan = _plan()  # node 1 sits at depth 1: accepting it alone needs no copy
-    impl = _FakeImpl()
-    plan.kv_stash.append((impl, "L0", None, 1, torch.zeros(7, 1, 2), torch.zeros(7, 1, 2),
-                          torch.arange(7)))
-    assert compact_kv(plan, {1: np.array([1])}) == 0 and impl.calls == []
+    impl = _FakeImpl()  # node 1 sits at depth 1: accepting it alone needs no copy
+    stash = [_stash(impl, "L0", torch.zeros(7, 1, 2), torch.zeros(7, 1, 2), torch.arange(7))]
+    assert compact_kv(stash, {1: np.array([1])}) == 0 and impl.calls == []
 
 
 def test_next_prefill_tokens_counts_what_is_left_of_chunked_prompts():
-    from vllm_recap.vllm.proposer import next_prefill_tokens
-
     # a: decoding; b: 300 of a 1000-token prompt done, 256 scheduled now; c: last chunk now
-    plan = build_plan(["a", "b", "c"], np.array([1, 256, 40]), np.array([0, 1, 257, 297]), {}, {})
-    plan.num_computed = np.array([50, 300, 60])
-    plan.num_prompt = np.array([20, 1000, 100])
-    assert next_prefill_tokens(plan) == 296  # b has 444 left; capped at this step's 256 + 40
-    plan.num_computed = np.array([50, 700, 60])
-    assert next_prefill_tokens(plan) == 44  # b's last chunk: 1000 - 700 - 256
-    plan.num_computed = None  # no prompt bookkeeping: assume decodes only
-    assert next_prefill_tokens(plan) == 0
+    def plan(computed):
+        return build_plan(["a", "b", "c"], np.array([1, 256, 40]), np.array([0, 1, 257, 297]),
+                          {}, {}, np.array(computed), np.array([20, 1000, 100]))
+
+    assert next_prefill_tokens(plan([50, 300, 60])) == 296  # b: 444 left; capped at 256 + 40
+    assert next_prefill_tokens(plan([50, 700, 60])) == 44  # b's last chunk: 1000 - 700 - 256
+    assert next_prefill_tokens(plan([50, 1000, 100])) == 0  # decodes only
+
+
+def test_topk_rows_ids_by_logit_and_softmax_over_the_k():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    ids, probs = topk_rows(logits, 3)
+    assert ids.dtype == np.int64 and probs.dtype == np.float32
+    assert ids.tolist() == [[1, 3, 2], [0, 1, 2]]
+    e = np.exp(np.array([3.0, 2.0, 1.0]))
+    np.testing.assert_allclose(probs[0], e / e.sum(), rtol=1e-6)
+    np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-6)
+    bf16_ids, bf16_probs = topk_rows(logits.bfloat16(), 3)  # model-dtype logits work too
+    assert bf16_ids.tolist() == ids.tolist() and bf16_probs.dtype == np.float32
+
+
+def test_node_tokens_are_the_last_one_plus_drafts_scheduled_tokens():
+    plan = _plan()
+    # flat batch: r0 prefill [1..5], r1 root + 6 drafts, r2 root + 2 drafts
+    input_ids = torch.tensor([1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22],
+                             dtype=torch.int32)
+    assert node_tokens_of_rows(plan, input_ids).tolist() == [5, 10, 11, 12, 13, 14, 15, 16,
+                                                             20, 21, 22]

@@ -5,11 +5,10 @@ The public surface, engine-independent (numpy + numba only):
     RecapConfig, DraftMode, FusionMode, Policy,    configuration (config.py)
     TreeShape
     Drafter, warmup                                lifecycle API keyed by request id (drafter.py)
-    DraftTree, tree_structure                      the flat tree type (tree.py)
+    DraftTree, tree_depths, ancestor_mask          the flat tree type (tree.py)
     verify_greedy                                  reference greedy tree verification (verify.py)
     fuse, row_confidence                           eqs. 4-6 as a pure function (fusion.py)
     SuffixAutomaton                                continuation lookup (suffix.py)
-    topk_rows_from_logits                          rows from full logits (memory.py)
 """
 
 from vllm_recap.core.config import (
@@ -22,9 +21,8 @@ from vllm_recap.core.config import (
 )
 from vllm_recap.core.drafter import Drafter, warmup
 from vllm_recap.core.fusion import fuse, row_confidence
-from vllm_recap.core.memory import topk_rows_from_logits
 from vllm_recap.core.suffix import SuffixAutomaton
-from vllm_recap.core.tree import DraftTree, tree_structure
+from vllm_recap.core.tree import DraftTree, ancestor_mask, tree_depths
 from vllm_recap.core.verify import verify_greedy
 
 __all__ = [
@@ -37,10 +35,10 @@ __all__ = [
     "RecapConfig",
     "SuffixAutomaton",
     "TreeShape",
+    "ancestor_mask",
     "fuse",
     "row_confidence",
-    "topk_rows_from_logits",
-    "tree_structure",
+    "tree_depths",
     "verify_greedy",
     "warmup",
 ]

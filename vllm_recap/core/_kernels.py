@@ -7,7 +7,19 @@ copy of an edited callee; in one file they are always recompiled together.
 
 Kernels compile lazily on first call; `vllm_recap.core.warmup` calls each once with non-empty
 inputs. Entry points take arrays of fixed dtypes (the Python layer casts), so each compiles one
-specialisation: tokens/parents/suffix int64, rows float32, priors/discounts float64, blocked bool.
+specialisation: tokens/parents/suffix/depths int64, rows float32, priors/discounts/scores
+float64, blocked bool.
+
+Arguments travel in bundles, so no kernel takes more than a handful: `Memories` (what a
+request reads and writes), `DraftParams` (the builders' knobs), and inside the builders
+`Nodes` (the tree being built) and `Scratch` (fusion buffers). Two numba costs shape
+them. Python passes *plain* tuples in field order and entry points rebuild the NamedTuple:
+numba types a plain tuple argument in C (~0.1 us) but a NamedTuple in Python (~0.8 us a call,
+on a 16-node step of ~10 us). And bundles stop where per-node work starts: numba's reference-
+count pruning removes the increments of plain array arguments but not of arrays inside tuple
+arguments, so a bundle passed on every node costs two atomic operations per array per call
+(measured: +50% on the 63-node tree). The per-node helpers therefore take plain arrays, which
+their callers unpack from the bundles once.
 
 Row layout (shared with ``memory.py``): one float32 record of W = 2K + 1 values,
 ``[ids (K, exact as float32 since ids < 2**21) | probs (K, sum 1) | conf]`` where
@@ -15,7 +27,7 @@ conf = exp(-H(probs)) is computed once at write time. Keeping a row in one recor
 than anything else here: the memories are MBs of randomly accessed rows, and a step costs
 roughly one L2 miss per cache line touched (separate id/prob/conf arrays tripled that).
 
-    U (per partition)  u_rows [V, W]; conf < 0 = no row yet.
+    U (per partition)  u_rows [V, W]; conf = 0 = no row yet (a written row's conf >= 1/K).
     C + G (request)    one open-addressing (linear probing) table with rows inline:
                        tkeys [T] int64 (EMPTY = -1), tvals [T, W]; ring [R] int64 = keys in
                        insertion order, for FIFO eviction at the cap; meta [2] = (rows used,
@@ -29,6 +41,8 @@ range, 3 top-K id out of range, 4 bad probabilities (negative, NaN/inf or zero r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
@@ -39,6 +53,65 @@ FUSE_UNIFORM = 2
 FUSE_PRIORS_FIXED = 3
 
 _MUL = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: multiply, keep the top bits
+
+
+# --------------------------------------------------------------------------- bundles
+
+
+class Memories(NamedTuple):
+    """The memories one request reads (tree builders) and writes (observe kernels)."""
+
+    u_rows: np.ndarray  # [V, W] float32 U records of the request's partition
+    ctx_on: bool  # C/G in use; if False the four arrays below are placeholders, never read
+    tkeys: np.ndarray  # [T] int64 C/G keys, EMPTY = -1; T a power of two
+    tvals: np.ndarray  # [T, W] float32 C/G records, inline in the table
+    ring: np.ndarray  # [R] int64 keys in insertion order (FIFO eviction at the cap R)
+    meta: np.ndarray  # [2] int64 (rows used, next ring slot to evict once full)
+
+
+class DraftParams(NamedTuple):
+    """The tree builders' knobs for one request-step."""
+
+    max_depth: int  # deepest draft level, < len(discounts)
+    discounts: np.ndarray  # [MAX_DEPTH + 1] float64 d(depth) by depth (config.discount_table)
+    priors: np.ndarray  # [3] float64 specificity priors a_j
+    mode: int  # FUSE_* row mixing rule
+    no_repeat: bool  # forbid an edge (parent token, child token) twice on a root->node path
+    blocked: np.ndarray  # [V] bool, tokens never drafted
+    suffix_prior: float  # score floor of suffix nodes
+
+
+class Nodes(NamedTuple):
+    """A tree being built (capacity: budget + 1 + suffix, or template + suffix), root at 0.
+
+    ct2/ct1 are the two tokens before each node in its path context, so a node's lookup key
+    is (ct2[v], ct1[v], tok[v]) without walking the path; the root's are history[-3], [-2].
+    """
+
+    tok: np.ndarray  # [cap] int64
+    par: np.ndarray  # [cap] int64, -1 at the root
+    score: np.ndarray  # [cap] float64, 1.0 at the root
+    depth: np.ndarray  # [cap] int64, 0 at the root
+    ct2: np.ndarray  # [cap] int64, -1 = absent
+    ct1: np.ndarray  # [cap] int64, -1 = absent
+
+
+class Scratch(NamedTuple):
+    """Buffers of one fusion (`_fuse`), reused for every node of a tree."""
+
+    g: np.ndarray  # [3, W] float32 the rows found (G, C, U order)
+    ids: np.ndarray  # [k] int64 fused candidates, by q descending
+    q: np.ndarray  # [k] float64 their q, renormalised over them
+    w: np.ndarray  # [3] float64 row weights
+    buf_ids: np.ndarray  # [3 * width] int64 mixture support
+    buf_m: np.ndarray  # [3 * width] float64 mixture mass
+
+
+@njit(cache=True)
+def _new_scratch(width, k):
+    return Scratch(np.empty((3, 2 * width + 1), np.float32), np.empty(k, np.int64),
+                   np.empty(k, np.float64), np.empty(3, np.float64),
+                   np.empty(3 * width, np.int64), np.empty(3 * width, np.float64))
 
 
 # --------------------------------------------------------------------------- hash table
@@ -177,8 +250,9 @@ def _check_rows(ids, probs, vocab):
 
 
 @njit(cache=True)
-def _write_rows(ct2, ct1, ct0, ids, probs, u_rows, ctx_on, tkeys, tvals, ring, meta):
+def _write_rows(ct2, ct1, ct0, ids, probs, mem):
     """Stores row i under U[ct0[i]], C[ct1[i], ct0[i]], G[ct2[i], ct1[i], ct0[i]] (-1 = absent)."""
+    u_rows, ctx_on, tkeys, tvals, ring, meta = mem
     bits = table_bits(tkeys.shape[0])
     k = ids.shape[1]
     rec = np.empty(2 * k + 1, np.float32)
@@ -204,10 +278,15 @@ def _write_rows(ct2, ct1, ct0, ids, probs, u_rows, ctx_on, tkeys, tvals, ring, m
 
 
 @njit(cache=True)
-def observe_tree(tokens, parents, h2, h1, ids, probs, u_rows, ctx_on, tkeys, tvals, ring, meta):
-    """One verified step: node i's context = history + path root->i. Validates before writing."""
+def observe_tree(tokens, parents, h2, h1, ids, probs, memories):
+    """One verified step: node i's context = history (.., h2, h1) + path root->i.
+
+    Validates everything before writing anything. tokens/parents [n] int64, ids [n, K] int64,
+    probs [n, K] float32, memories = a `Memories` as a plain tuple. Returns a status code.
+    """
+    mem = Memories(*memories)
     n = tokens.shape[0]
-    vocab = u_rows.shape[0]
+    vocab = mem.u_rows.shape[0]
     if n == 0 or parents.shape[0] != n or parents[0] != -1:
         return 1
     for i in range(n):
@@ -226,22 +305,22 @@ def observe_tree(tokens, parents, h2, h1, ids, probs, u_rows, ctx_on, tkeys, tva
         p = parents[i]
         ct2[i] = ct1[p]
         ct1[i] = tokens[p]
-    _write_rows(ct2, ct1, tokens, ids, probs, u_rows, ctx_on, tkeys, tvals, ring, meta)
+    _write_rows(ct2, ct1, tokens, ids, probs, mem)
     return 0
 
 
 @njit(cache=True)
-def observe_contexts(ctx3, ids, probs, u_rows, ctx_on, tkeys, tvals, ring, meta):
+def observe_contexts(ctx3, ids, probs, memories):
     """Rows with explicit contexts ctx3 [n, 3] = (t-2, t-1, t), -1 = absent (prompt seeding)."""
-    vocab = u_rows.shape[0]
+    mem = Memories(*memories)
+    vocab = mem.u_rows.shape[0]
     for i in range(ctx3.shape[0]):
         if ctx3[i, 2] < 0 or ctx3[i, 2] >= vocab:
             return 2
     status = _check_rows(ids, probs, vocab)
     if status != 0:
         return status
-    _write_rows(ctx3[:, 0].copy(), ctx3[:, 1].copy(), ctx3[:, 2].copy(), ids, probs, u_rows,
-                ctx_on, tkeys, tvals, ring, meta)
+    _write_rows(ctx3[:, 0].copy(), ctx3[:, 1].copy(), ctx3[:, 2].copy(), ids, probs, mem)
     return 0
 
 
@@ -249,8 +328,11 @@ def observe_contexts(ctx3, ids, probs, u_rows, ctx_on, tkeys, tvals, ring, meta)
 
 
 @njit(cache=True)
-def _gather(t2, t1, t0, u_rows, ctx_on, tkeys, tvals, bits, g):
-    """Copies the rows available for context (.., t2, t1, t0) into g [3, W]: G, C, U order."""
+def _gather(key, u_rows, ctx_on, tkeys, tvals, bits, g):
+    """Copies the rows available for context key = (t2, t1, t0) into g [3, W]: G, C, U order.
+
+    Returns their count r."""
+    t2, t1, t0 = key
     r = 0
     if ctx_on and t1 >= 0:
         if t2 >= 0:
@@ -262,43 +344,45 @@ def _gather(t2, t1, t0, u_rows, ctx_on, tkeys, tvals, bits, g):
         if slot >= 0:
             _copy_row(g, r, tvals, slot)
             r += 1
-    if u_rows[t0, u_rows.shape[1] - 1] >= 0.0:
+    if u_rows[t0, u_rows.shape[1] - 1] > 0.0:
         _copy_row(g, r, u_rows, t0)
         r += 1
     return r
 
 
 @njit(cache=True)
-def _fuse(g, r, mode, priors, k, out_ids, out_q, out_w, buf_ids, buf_m, taken):
-    """Eqs. 4-6 over rows 0..r-1 of g [3, W] (most specific first); returns the candidate count.
+def _fuse(g, r, mode, priors, w, out_ids, out_q, buf_ids, buf_m):
+    """Eqs. 4-6 over rows 0..r-1 of g [3, W] (most specific first); returns the count m.
 
-    out_ids/out_q: the top-k of the mixture, q renormalised over them, by q descending (ties:
-    first seen, i.e. the more specific row and its earlier entry). out_w: the row weights.
+    w [3]: the row weights (eq. 5), 0 beyond r. out_ids/out_q [k]: the top m = min(k,
+    support) ids of the mixture by mass, q renormalised over them, by q descending (ties:
+    first seen, i.e. the more specific row and its earlier entry). buf_ids/buf_m [3 * width]:
+    scratch for the mixture's support and masses.
     """
     width = (g.shape[1] - 1) // 2
-    for j in range(out_w.shape[0]):
-        out_w[j] = 0.0
+    for j in range(w.shape[0]):
+        w[j] = 0.0
     if r == 0:
         return 0
     if mode == FUSE_BACKOFF:
-        out_w[0] = 1.0
+        w[0] = 1.0
     elif mode == FUSE_UNIFORM:
         for j in range(r):
-            out_w[j] = 1.0 / r
+            w[j] = 1.0 / r
     else:
         total = 0.0
         for j in range(r):
             a = priors[j]  # prior by rank among the *available* rows
             if mode == FUSE_PRIORS_ENTROPY:
                 a *= g[j, 2 * width]
-            out_w[j] = a
+            w[j] = a
             total += a
         for j in range(r):
-            out_w[j] /= total
+            w[j] /= total
     nb = 0
     for j in range(r):
-        w = out_w[j]
-        if w <= 0.0:
+        wj = w[j]
+        if wj <= 0.0:
             continue
         for c in range(width):
             z = np.int64(g[j, c])
@@ -311,23 +395,22 @@ def _fuse(g, r, mode, priors, k, out_ids, out_q, out_w, buf_ids, buf_m, taken):
                     found = b
                     break
             if found >= 0:
-                buf_m[found] += w * p
+                buf_m[found] += wj * p
             else:
                 buf_ids[nb] = z
-                buf_m[nb] = w * p
-                taken[nb] = False
+                buf_m[nb] = wj * p
                 nb += 1
-    n_out = min(k, nb)
+    n_out = min(out_ids.shape[0], nb)
     kept = 0.0
     for t in range(n_out):
-        best = -1
-        for b in range(nb):
-            if not taken[b] and (best < 0 or buf_m[b] > buf_m[best]):
+        best = 0
+        for b in range(1, nb):
+            if buf_m[b] > buf_m[best]:
                 best = b
-        taken[best] = True
         out_ids[t] = buf_ids[best]
         out_q[t] = buf_m[best]
         kept += buf_m[best]
+        buf_m[best] = -1.0  # taken: every mass is > 0, so it is never the maximum again
     for t in range(n_out):
         out_q[t] /= kept
     return n_out
@@ -337,59 +420,63 @@ def _fuse(g, r, mode, priors, k, out_ids, out_q, out_w, buf_ids, buf_m, taken):
 def fuse_rows(rows, mode, priors, k):
     """Entry point for `fusion.fuse`: records [r, W] -> (ids [k], q [k], weights [3], count)."""
     r = rows.shape[0]
-    width = (rows.shape[1] - 1) // 2
-    g = np.zeros((3, rows.shape[1]), np.float32)
+    g, ids, q, w, buf_ids, buf_m = _new_scratch((rows.shape[1] - 1) // 2, k)
     for j in range(r):
         _copy_row(g, j, rows, j)
-    out_ids = np.full(k, -1, np.int64)
-    out_q = np.zeros(k, np.float64)
-    out_w = np.zeros(3, np.float64)
-    buf_ids = np.empty(3 * width, np.int64)
-    buf_m = np.empty(3 * width, np.float64)
-    taken = np.empty(3 * width, np.bool_)
-    n = _fuse(g, r, mode, priors, k, out_ids, out_q, out_w, buf_ids, buf_m, taken)
-    return out_ids, out_q, out_w, n
+    ids.fill(-1)
+    q.fill(0.0)
+    n = _fuse(g, r, mode, priors, w, ids, q, buf_ids, buf_m)
+    return ids, q, w, n
 
 
 # --------------------------------------------------------------------------- tree builders
 #
-# Node arrays (capacity = template/budget + 1 + suffix): tok, par, score, depth, and the two
-# tokens before each node in its path context (ct2, ct1), so a node's lookup key is
-# (ct2[v], ct1[v], tok[v]) without walking the path. The root's are history[-3], history[-2].
+# Both builders: `_start_tree` sets up the nodes and scratch; every expanded node gets its
+# candidates from `_gather` + `_fuse`; the suffix continuation merges on top
+# (`_merge_suffix`); `_chain_first` writes the result into caller-owned buffers, out_ints
+# [3, cap] int64 (rows: tokens, parents, depths) and out_scores [cap] float64: boxing fresh
+# arrays back to Python costs more than the 16-node tree itself.
+
+
+# Inlined (numba IR): returning thirteen arrays through a call cost ~0.5 us per tree.
+@njit(cache=True, inline="always")
+def _start_tree(hist, cap, width):
+    """Nodes of capacity `cap` holding the root, and the fusion scratch (k = width).
+
+    hist = (root, history[-3], history[-2]), -1 where the history is shorter.
+    """
+    nodes = Nodes(np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.float64),
+                  np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64))
+    nodes.tok[0] = hist[0]
+    nodes.par[0] = -1
+    nodes.score[0] = 1.0
+    nodes.depth[0] = 0
+    nodes.ct2[0] = hist[1]
+    nodes.ct1[0] = hist[2]
+    return nodes, _new_scratch(width, width)
 
 
 @njit(cache=True)
-def _candidates(v, tok, ct2, ct1, u_rows, ctx_on, tkeys, tvals, bits, mode, priors, k, g,
-                out_ids, out_q, out_w, buf_ids, buf_m, taken):
-    """Fused top-k candidates for the children of node v; returns their count."""
-    r = _gather(ct2[v], ct1[v], tok[v], u_rows, ctx_on, tkeys, tvals, bits, g)
-    return _fuse(g, r, mode, priors, k, out_ids, out_q, out_w, buf_ids, buf_m, taken)
-
-
-@njit(cache=True)
-def _edge_on_path(tok, par, v, a, b):
-    """True if edge (a -> b) already occurs on the root->v path (v's ancestors, root included)."""
+def _edge_on_path(tok, par, v, z):
+    """True if edge (tok[v] -> z) already occurs on the root->v path."""
+    a = tok[v]
     u = v
     while par[u] >= 0:
-        if tok[u] == b and tok[par[u]] == a:
+        if tok[u] == z and tok[par[u]] == a:
             return True
         u = par[u]
     return False
 
 
-@njit(cache=True, inline="always")
-def _discount(discounts, depth):
-    return discounts[min(depth, discounts.shape[0]) - 1]
-
-
 @njit(cache=True)
-def _add_node(n, tok, par, score, depth, ct2, ct1, p, z, s):
-    tok[n] = z
-    par[n] = p
-    score[n] = s
-    depth[n] = depth[p] + 1
-    ct2[n] = ct1[p]
-    ct1[n] = tok[p]
+def _add_node(nodes, n, p, z, s):
+    """Appends node n = token z under p with score s; returns n + 1."""
+    nodes.tok[n] = z
+    nodes.par[n] = p
+    nodes.score[n] = s
+    nodes.depth[n] = nodes.depth[p] + 1
+    nodes.ct2[n] = nodes.ct1[p]
+    nodes.ct1[n] = nodes.tok[p]
     return n + 1
 
 
@@ -438,30 +525,33 @@ def _heap_pop(hs, hq, size):
 
 
 @njit(cache=True)
-def _merge_suffix(n, tok, par, score, depth, ct2, ct1, suffix, suffix_prior, max_depth,
-                  discounts, blocked, no_repeat, u_rows, ctx_on, tkeys, tvals, bits, mode,
-                  priors, k, g, out_ids, out_q, out_w, buf_ids, buf_m, taken):
+def _merge_suffix(n, nodes, suffix, params, mem, sc):
     """Walks the suffix continuation from the root, sharing existing nodes, adding the rest.
 
     Suffix node score = score(parent) * d(depth) * max(q(z | parent context), suffix_prior),
     q = 0 when z is not a fused candidate; a shared node keeps the larger score. Stops at
     max_depth, a blocked token or a repeated edge. A suffix-only child can make its parent
-    K + 1 wide; it is "on top of the budget" in width as in count.
+    K + 1 wide; it is "on top of the budget" in width as in count. Returns the node count.
     """
+    tok, par, score, depth, ct2, ct1 = nodes
+    g, ids, q_top, w, buf_ids, buf_m = sc
+    u_rows, ctx_on, tkeys, tvals = mem.u_rows, mem.ctx_on, mem.tkeys, mem.tvals
+    mode, priors = params.mode, params.priors
+    bits = table_bits(tkeys.shape[0])
     cur = np.int64(0)  # typed, not Literal[int]: one specialisation of each callee
     for i in range(suffix.shape[0]):
         z = suffix[i]
         d = depth[cur] + 1
-        if d > max_depth or blocked[z]:
+        if d > params.max_depth or params.blocked[z]:
             break
-        nc = _candidates(cur, tok, ct2, ct1, u_rows, ctx_on, tkeys, tvals, bits, mode, priors,
-                         k, g, out_ids, out_q, out_w, buf_ids, buf_m, taken)
+        r = _gather((ct2[cur], ct1[cur], tok[cur]), u_rows, ctx_on, tkeys, tvals, bits, g)
+        nc = _fuse(g, r, mode, priors, w, ids, q_top, buf_ids, buf_m)
         q = 0.0
         for j in range(nc):
-            if out_ids[j] == z:
-                q = out_q[j]
+            if ids[j] == z:
+                q = q_top[j]
                 break
-        s = score[cur] * _discount(discounts, d) * max(q, suffix_prior)
+        s = score[cur] * params.discounts[d] * max(q, params.suffix_prior)
         child = -1
         for u in range(1, n):
             if par[u] == cur and tok[u] == z:
@@ -472,23 +562,44 @@ def _merge_suffix(n, tok, par, score, depth, ct2, ct1, suffix, suffix_prior, max
                 score[child] = s
             cur = child
         else:
-            if no_repeat and _edge_on_path(tok, par, cur, tok[cur], z):
+            if params.no_repeat and _edge_on_path(tok, par, cur, z):
                 break
-            n = _add_node(n, tok, par, score, depth, ct2, ct1, cur, z, s)
+            n = _add_node(nodes, n, cur, z, s)
             cur = n - 1
     return n
 
 
 @njit(cache=True)
-def _chain_first(n, tok, par, score, out_tok, out_par, out_score):
-    """Re-lays the tree so the best chain (highest-scoring child from the root, ties to the
-    lower index) sits at 1..L; the rest keep their order, so parents-first still holds.
-    Writes out_*[:n]; returns (n, L)."""
+def _best_children(par, score, n):
+    """[n] int64: each node's highest-scoring child (ties: the lower index), -1 for a leaf."""
     best = np.full(n, -1, np.int64)
     for u in range(1, n):
         p = par[u]
         if best[p] < 0 or score[u] > score[best[p]]:
             best[p] = u
+    return best
+
+
+@njit(cache=True)
+def best_chain_length(parents, scores):
+    """Length L of the best chain if it is laid out at 1..L (else the laid-out part of it).
+
+    The best chain follows, from the root, the highest-scoring child (ties: lower index).
+    parents [n] int64 (parents-first), scores [n] float64.
+    """
+    best = _best_children(parents, scores, parents.shape[0])
+    length = 0
+    while best[length] == length + 1:
+        length += 1
+    return length
+
+
+@njit(cache=True)
+def _chain_first(n, nodes, out_ints, out_scores):
+    """Re-lays the tree so the best chain sits at 1..L; the rest keep their order, so
+    parents-first still holds. Writes out_ints[:, :n] and out_scores[:n]; returns (n, L)."""
+    tok, par, score, depth, _, _ = nodes
+    best = _best_children(par, score, n)
     order = np.empty(n, np.int64)
     placed = np.zeros(n, np.bool_)
     order[0] = 0
@@ -510,43 +621,39 @@ def _chain_first(n, tok, par, score, out_tok, out_par, out_score):
         new_index[order[i]] = i
     for i in range(n):
         u = order[i]
-        out_tok[i] = tok[u]
-        out_par[i] = new_index[par[u]] if par[u] >= 0 else -1
-        out_score[i] = score[u]
+        out_ints[0, i] = tok[u]
+        out_ints[1, i] = new_index[par[u]] if par[u] >= 0 else -1
+        out_ints[2, i] = depth[u]
+        out_scores[i] = score[u]
     return n, chain_len
 
 
 @njit(cache=True)
-def build_best_first(root, h2, h1, budget, max_depth, discounts, priors, mode, ctx_on,
-                     no_repeat, blocked, u_rows, tkeys, tvals, suffix, suffix_prior, out_tok,
-                     out_par, out_score):
-    """RECAP best-first tree + suffix merge into out_* (capacity >= budget + 1 + len(suffix)).
+def build_best_first(hist, budget, draft_params, memories, suffix, out_ints, out_scores):
+    """RECAP best-first tree + suffix merge.
 
-    Returns (node count, best chain length). Outputs are caller-owned buffers because boxing
-    three fresh arrays back to Python costs more than the 16-node tree itself.
+    Args (tuples plain, in the field order of the bundles above):
+        hist: (root, history[-3], history[-2]) int64, -1 where absent.
+        budget: draft nodes before the suffix merge.
+        draft_params: a `DraftParams`.
+        memories: the request's `Memories`.
+        suffix: [s] int64 continuation from the suffix automaton.
+        out_ints, out_scores: [3, cap] and [cap] buffers (see above), cap >= budget + 1 + s.
+
+    Returns (node count, best chain length).
     """
+    params = DraftParams(*draft_params)
+    mem = Memories(*memories)
+    u_rows, ctx_on, tkeys, tvals = mem.u_rows, mem.ctx_on, mem.tkeys, mem.tvals
+    # Locals, not params.x, for arrays used per node: an array taken from a tuple and passed
+    # to a call pays a reference-count round trip at every call.
+    max_depth, mode, priors = params.max_depth, params.mode, params.priors
+    discounts, blocked = params.discounts, params.blocked
     k = (u_rows.shape[1] - 1) // 2
     bits = table_bits(tkeys.shape[0])
-    cap = budget + 1 + suffix.shape[0]
-    tok = np.empty(cap, np.int64)
-    par = np.empty(cap, np.int64)
-    score = np.empty(cap, np.float64)
-    depth = np.empty(cap, np.int64)
-    ct2 = np.empty(cap, np.int64)
-    ct1 = np.empty(cap, np.int64)
-    tok[0] = root
-    par[0] = -1
-    score[0] = 1.0
-    depth[0] = 0
-    ct2[0] = h2
-    ct1[0] = h1
-    g = np.empty((3, u_rows.shape[1]), np.float32)
-    out_ids = np.empty(k, np.int64)
-    out_q = np.empty(k, np.float64)
-    out_w = np.empty(3, np.float64)
-    buf_ids = np.empty(3 * k, np.int64)
-    buf_m = np.empty(3 * k, np.float64)
-    taken = np.empty(3 * k, np.bool_)
+    nodes, sc = _start_tree(hist, budget + 1 + suffix.shape[0], k)
+    tok, par, score, depth, ct2, ct1 = nodes
+    g, ids, q_top, w, buf_ids, buf_m = sc
     # Candidates: at most k per expanded node, and at most `budget` nodes get expanded.
     h_cap = budget * k + 1
     hs = np.empty(h_cap, np.float64)
@@ -562,15 +669,15 @@ def build_best_first(root, h2, h1, budget, max_depth, discounts, priors, mode, c
     expand = budget > 0
     while expand:
         if depth[v] < max_depth:
-            nc = _candidates(v, tok, ct2, ct1, u_rows, ctx_on, tkeys, tvals, bits, mode,
-                             priors, k, g, out_ids, out_q, out_w, buf_ids, buf_m, taken)
-            disc = _discount(discounts, depth[v] + 1)
+            r = _gather((ct2[v], ct1[v], tok[v]), u_rows, ctx_on, tkeys, tvals, bits, g)
+            nc = _fuse(g, r, mode, priors, w, ids, q_top, buf_ids, buf_m)
+            disc = discounts[depth[v] + 1]
             for j in range(nc):
-                z = out_ids[j]
-                q = out_q[j]
+                z = ids[j]
+                q = q_top[j]
                 if q <= 0.0 or blocked[z]:
                     continue
-                if no_repeat and _edge_on_path(tok, par, v, tok[v], z):
+                if params.no_repeat and _edge_on_path(tok, par, v, z):
                     continue
                 s = score[v] * disc * q
                 c_par[seq] = v
@@ -581,50 +688,39 @@ def build_best_first(root, h2, h1, budget, max_depth, discounts, priors, mode, c
         if n > budget or size == 0:
             break
         best, size = _heap_pop(hs, hq, size)
-        n = _add_node(n, tok, par, score, depth, ct2, ct1, c_par[best], c_tok[best],
-                      c_score[best])
+        n = _add_node(nodes, n, c_par[best], c_tok[best], c_score[best])
         v = n - 1
         expand = n <= budget  # the last node added needs no children
     if budget > 0 and suffix.shape[0] > 0:
-        n = _merge_suffix(n, tok, par, score, depth, ct2, ct1, suffix, suffix_prior, max_depth,
-                          discounts, blocked, no_repeat, u_rows, ctx_on, tkeys, tvals, bits,
-                          mode, priors, k, g, out_ids, out_q, out_w, buf_ids, buf_m, taken)
-    return _chain_first(n, tok, par, score, out_tok, out_par, out_score)
+        n = _merge_suffix(n, nodes, suffix, params, mem, sc)
+    return _chain_first(n, nodes, out_ints, out_scores)
 
 
 @njit(cache=True)
-def build_template(root, h2, h1, t_par, t_rank, n_template, max_depth, discounts, priors, mode,
-                   ctx_on, no_repeat, blocked, u_rows, tkeys, tvals, suffix, suffix_prior,
-                   out_tok, out_par, out_score):
+def build_template(hist, template, n_template, draft_params, memories, suffix, out_ints,
+                   out_scores):
     """Static template filled from fused candidates (Token Recycling / FIXED tree ablation).
 
-    Template entry t >= 1 = child of rank t_rank[t] (by q) of entry t_par[t] < t; entry 0 is the
-    root; only entries < n_template are used. A missing rank, a blocked token, a repeated edge
-    (if no_repeat) or max_depth prunes the entry and its subtree. Then the suffix merges.
-    Writes out_* (capacity >= n_template + len(suffix)); returns (node count, chain length).
+    template = (t_par, t_rank): entry t >= 1 = child of rank t_rank[t] (by q) of entry
+    t_par[t] < t; entry 0 is the root; only entries < n_template are used. A missing rank, a
+    blocked token, a repeated edge (if no_repeat) or max_depth prunes the entry and its
+    subtree. Then the suffix merges. Other arguments as `build_best_first`; the outputs need
+    capacity >= n_template + s. Returns (node count, chain length).
     """
+    params = DraftParams(*draft_params)
+    mem = Memories(*memories)
+    u_rows, ctx_on, tkeys, tvals = mem.u_rows, mem.ctx_on, mem.tkeys, mem.tvals
+    # Locals, not params.x, for arrays used per node: an array taken from a tuple and passed
+    # to a call pays a reference-count round trip at every call.
+    max_depth, mode, priors = params.max_depth, params.mode, params.priors
+    discounts, blocked = params.discounts, params.blocked
+    t_par, t_rank = template
     k = (u_rows.shape[1] - 1) // 2
     bits = table_bits(tkeys.shape[0])
     cap = n_template + suffix.shape[0]
-    tok = np.empty(cap, np.int64)
-    par = np.empty(cap, np.int64)
-    score = np.empty(cap, np.float64)
-    depth = np.empty(cap, np.int64)
-    ct2 = np.empty(cap, np.int64)
-    ct1 = np.empty(cap, np.int64)
-    tok[0] = root
-    par[0] = -1
-    score[0] = 1.0
-    depth[0] = 0
-    ct2[0] = h2
-    ct1[0] = h1
-    g = np.empty((3, u_rows.shape[1]), np.float32)
-    out_ids = np.empty(k, np.int64)
-    out_q = np.empty(k, np.float64)
-    out_w = np.empty(3, np.float64)
-    buf_ids = np.empty(3 * k, np.int64)
-    buf_m = np.empty(3 * k, np.float64)
-    taken = np.empty(3 * k, np.bool_)
+    nodes, sc = _start_tree(hist, cap, k)
+    tok, par, score, depth, ct2, ct1 = nodes
+    g, _, _, w, buf_ids, buf_m = sc
     # Candidates per tree node, computed on first use (a node's children are not contiguous).
     cand_ids = np.empty((cap, k), np.int64)
     cand_q = np.empty((cap, k), np.float64)
@@ -637,9 +733,8 @@ def build_template(root, h2, h1, t_par, t_rank, n_template, max_depth, discounts
         if v < 0 or depth[v] >= max_depth:
             continue
         if cand_n[v] < 0:
-            cand_n[v] = _candidates(v, tok, ct2, ct1, u_rows, ctx_on, tkeys, tvals, bits,
-                                    mode, priors, k, g, cand_ids[v], cand_q[v], out_w,
-                                    buf_ids, buf_m, taken)
+            r = _gather((ct2[v], ct1[v], tok[v]), u_rows, ctx_on, tkeys, tvals, bits, g)
+            cand_n[v] = _fuse(g, r, mode, priors, w, cand_ids[v], cand_q[v], buf_ids, buf_m)
         rank = t_rank[t]
         if rank >= cand_n[v]:
             continue
@@ -647,45 +742,55 @@ def build_template(root, h2, h1, t_par, t_rank, n_template, max_depth, discounts
         q = cand_q[v, rank]
         if q <= 0.0 or blocked[z]:
             continue
-        if no_repeat and _edge_on_path(tok, par, v, tok[v], z):
+        if params.no_repeat and _edge_on_path(tok, par, v, z):
             continue
-        n = _add_node(n, tok, par, score, depth, ct2, ct1, v, z,
-                      score[v] * _discount(discounts, depth[v] + 1) * q)
+        n = _add_node(nodes, n, v, z, score[v] * discounts[depth[v] + 1] * q)
         node_of[t] = n - 1
     if n_template > 1 and suffix.shape[0] > 0:
-        n = _merge_suffix(n, tok, par, score, depth, ct2, ct1, suffix, suffix_prior, max_depth,
-                          discounts, blocked, no_repeat, u_rows, ctx_on, tkeys, tvals, bits,
-                          mode, priors, k, g, out_ids, out_q, out_w, buf_ids, buf_m, taken)
-    return _chain_first(n, tok, par, score, out_tok, out_par, out_score)
+        n = _merge_suffix(n, nodes, suffix, params, mem, sc)
+    return _chain_first(n, nodes, out_ints, out_scores)
 
 
 # --------------------------------------------------------------------------- suffix automaton
 #
-# Arrays (owned by suffix.SuffixAutomaton): toks [cap] history; per state s_len, s_link,
-# s_first (earliest end position), s_head (first outgoing edge); per edge e_tok, e_to, e_next
-# (a state's edges form a linked list, needed to copy them into a clone); transitions hashed by
-# key state << 21 | token -> edge in hkeys/hvals. meta = (tokens, states, edges, last state).
-# Capacity (checked by the caller): states <= 2 n, edges <= 3 n, hash load <= 0.5.
+# Arrays (owned by suffix.SuffixAutomaton): toks [cap] history; states [4, S] int32 rows
+# (s_len, s_link, s_first = earliest end position, s_head = first outgoing edge); edges
+# [3, E] int32 rows (e_tok, e_to, e_next: a state's edges form a linked list, needed to copy
+# them into a clone); transitions hashed by key state << 21 | token -> edge in hkeys/hvals.
+# meta = (tokens, states, edges, last state). Capacity (checked by the caller): states <= 2 n,
+# edges <= 3 n, hash load <= 0.5.
+
+
+@njit(cache=True, inline="always")
+def _sam_key(p, t):
+    return (np.int64(p) << 21) | t
 
 
 @njit(cache=True)
-def _sam_add_edge(p, t, to, s_head, e_tok, e_to, e_next, hkeys, hvals, meta, bits):
+def _hash_put(hkeys, hvals, key, value, bits):
+    """Inserts `key` -> `value`; the key must be absent."""
+    slot = -_find(hkeys, key, bits) - 1
+    hkeys[slot] = key
+    hvals[slot] = value
+
+
+@njit(cache=True)
+def _sam_add_edge(p, t, to, s_head, e_tok, e_to, e_next, meta):
+    """Prepends edge p --t--> to to p's edge list; returns its index (the caller hashes it)."""
     e = meta[2]
     meta[2] += 1
     e_tok[e] = t
     e_to[e] = to
     e_next[e] = s_head[p]
     s_head[p] = e
-    key = (np.int64(p) << 21) | t
-    slot = -_find(hkeys, key, bits) - 1
-    hkeys[slot] = key
-    hvals[slot] = e
+    return e
 
 
 @njit(cache=True)
-def sam_extend(new, toks, s_len, s_link, s_first, s_head, e_tok, e_to, e_next, hkeys, hvals,
-               meta):
-    """Appends tokens to the automaton (Blumer et al.; amortised O(1) per token)."""
+def sam_extend(new, toks, states, edges, hkeys, hvals, meta):
+    """Appends tokens new [m] int64 (amortised O(1) each; Blumer et al.)."""
+    s_len, s_link, s_first, s_head = states[0], states[1], states[2], states[3]
+    e_tok, e_to, e_next = edges[0], edges[1], edges[2]
     bits = table_bits(hkeys.shape[0])
     for i in range(new.shape[0]):
         t = new[i]
@@ -702,11 +807,12 @@ def sam_extend(new, toks, s_len, s_link, s_first, s_head, e_tok, e_to, e_next, h
         p = last
         e = -1
         while p != -1:
-            slot = _find(hkeys, (np.int64(p) << 21) | t, bits)
+            slot = _find(hkeys, _sam_key(p, t), bits)
             if slot >= 0:
                 e = hvals[slot]
                 break
-            _sam_add_edge(p, t, cur, s_head, e_tok, e_to, e_next, hkeys, hvals, meta, bits)
+            added = _sam_add_edge(p, t, cur, s_head, e_tok, e_to, e_next, meta)
+            _hash_put(hkeys, hvals, _sam_key(p, t), added, bits)
             p = s_link[p]
         if p != -1:
             q = e_to[e]
@@ -721,11 +827,12 @@ def sam_extend(new, toks, s_len, s_link, s_first, s_head, e_tok, e_to, e_next, h
                 s_head[clone] = -1
                 f = s_head[q]
                 while f >= 0:
-                    _sam_add_edge(clone, e_tok[f], e_to[f], s_head, e_tok, e_to, e_next, hkeys,
-                                  hvals, meta, bits)
+                    added = _sam_add_edge(clone, e_tok[f], e_to[f], s_head, e_tok, e_to, e_next,
+                                          meta)
+                    _hash_put(hkeys, hvals, _sam_key(clone, e_tok[f]), added, bits)
                     f = e_next[f]
                 while p != -1:
-                    slot = _find(hkeys, (np.int64(p) << 21) | t, bits)
+                    slot = _find(hkeys, _sam_key(p, t), bits)
                     if slot < 0 or e_to[hvals[slot]] != q:
                         break
                     e_to[hvals[slot]] = clone
@@ -736,15 +843,13 @@ def sam_extend(new, toks, s_len, s_link, s_first, s_head, e_tok, e_to, e_next, h
 
 
 @njit(cache=True)
-def sam_rehash(s_head, e_tok, e_next, n_states, hkeys, hvals):
+def sam_rehash(states, edges, n_states, hkeys, hvals):
     """Rebuilds the transition hash (after it grew) from the per-state edge lists."""
+    s_head, e_tok, e_next = states[3], edges[0], edges[2]
     bits = table_bits(hkeys.shape[0])
     hkeys[:] = EMPTY
     for p in range(n_states):
         e = s_head[p]
         while e >= 0:
-            key = (np.int64(p) << 21) | e_tok[e]
-            slot = -_find(hkeys, key, bits) - 1
-            hkeys[slot] = key
-            hvals[slot] = e
+            _hash_put(hkeys, hvals, _sam_key(p, e_tok[e]), e, bits)
             e = e_next[e]

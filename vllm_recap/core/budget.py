@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_recap.core.tree import DraftTree, tree_structure
+from vllm_recap.core.config import MAX_DEPTH, discount_table
+from vllm_recap.core.tree import DraftTree, tree_depths
 
 # Candidate per-request node counts (the controller also caps them at the configured budget).
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-MAX_DEPTH = 64
 # Expected throughput a drafting choice must exceed plain decoding's by (see ``choose``).
 DRAFT_MARGIN = 1.03
 
@@ -110,13 +110,18 @@ class AcceptanceCalibration:
     counts steps that accepted a node at depth d and score_mass[d] sums the scores of the
     verified nodes at depth d. A prior of ``prior_mass`` pseudo-score at ratio ``prior[d]``
     (undoing the discounts) keeps early estimates sane.
+
+    Args:
+        depth_discounts: the builder's discounts (`RecapConfig.depth_discounts`).
+        prior_mass: pseudo-score of the prior per depth.
+        decay: per-tree decay of past observations.
     """
 
     def __init__(self, depth_discounts: tuple[float, ...], prior_mass: float = 2.0,
                  decay: float = 0.995) -> None:
-        disc = np.array([depth_discounts[min(d, len(depth_discounts)) - 1]
-                         for d in range(1, MAX_DEPTH + 1)])
-        self.prior = np.concatenate([[1.0], 1.0 / np.cumprod(disc)])  # [MAX_DEPTH + 1]
+        # [MAX_DEPTH + 1]: a node at depth d scores the product of d(1..d) times its fused
+        # probabilities, so 1 / that product undoes the discounts (1 at the root).
+        self.prior = 1.0 / np.cumprod(discount_table(depth_discounts))
         self.prior_mass = prior_mass
         self.decay = decay
         self.accepted = np.zeros(MAX_DEPTH + 1)
@@ -160,8 +165,7 @@ class BudgetController:
 
     def expected_gains(self, tree: DraftTree) -> np.ndarray:
         """[n] cumulative expected accepted tokens when verifying the first k nodes (k = index)."""
-        depths = tree_structure(tree.parents)[0]
-        p = self.calibration.node_probabilities(depths, tree.parents, tree.scores)
+        p = self.calibration.node_probabilities(tree.depths, tree.parents, tree.scores)
         p[0] = 0.0
         return np.cumsum(p)
 
@@ -218,8 +222,10 @@ class BudgetController:
 
     def observe_tree(self, parents: np.ndarray, scores: np.ndarray, num_accepted: int,
                      depths: np.ndarray | None = None) -> None:
-        """One verified tree; ``depths`` ([n], from ``tree_structure``) if the caller has them."""
+        """One verified tree: parents/scores/depths [n] of the verified nodes (root included;
+        ``depths`` as `DraftTree.depths`, derived with `tree_depths` when not given) and the
+        draft tokens accepted."""
         if len(parents) > 1:
             if depths is None:
-                depths = tree_structure(parents)[0]
+                depths = tree_depths(parents)
             self.calibration.observe(depths, scores, num_accepted)

@@ -9,13 +9,20 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 # Token ids are packed 21 bits each into one int64 key for the context memories (3 x 21 = 63
 # bits), so the vocabulary must stay below 2**21 (2,097,152; the largest current vocabularies
 # are ~262k).
 MAX_VOCAB_SIZE = 1 << 21
+
+# Deepest draft level anything supports: the bound of `max_depth`, the length of the discount
+# table, and the size of the per-depth arrays of the budget calibration and the metrics.
+MAX_DEPTH = 64
 
 
 class FusionMode(enum.Enum):
@@ -97,7 +104,7 @@ class RecapConfig:
     Must equal the K of the rows the engine passes to `Drafter.observe`. Range [1, 64]."""
 
     max_depth: int = 10
-    """Deepest draft level (root = depth 0). Range [1, 64]."""
+    """Deepest draft level (root = depth 0). Range [1, MAX_DEPTH = 64]."""
 
     node_budget: int = 63
     """Draft nodes per tree, root excluded, before suffix insertion; `Drafter.propose` may
@@ -123,8 +130,8 @@ class RecapConfig:
     Exactly 3 values, each in (0, 1]."""
 
     depth_discounts: tuple[float, ...] = (0.68, 0.63, 0.50, 0.43, 0.40, 0.38)
-    """d(depth) for depths 1, 2, ...; the last value repeats for deeper levels.
-    1 to 64 values, each in (0, 1]."""
+    """d(depth) for depths 1, 2, ...; the last value repeats for deeper levels (see
+    `discount_table`). 1 to MAX_DEPTH = 64 values, each in (0, 1]."""
 
     persistent_unigram: bool = True
     """U survives requests (one table per salt partition). False = ablation "U reset per
@@ -184,13 +191,13 @@ class RecapConfig:
     def validate(self) -> None:
         """Checks every field; raises ValueError naming the field, the value and the range."""
         _check_int("top_k", self.top_k, 1, 64)
-        _check_int("max_depth", self.max_depth, 1, 64)
+        _check_int("max_depth", self.max_depth, 1, MAX_DEPTH)
         _check_int("node_budget", self.node_budget, 0, 1024)
         _check_int("suffix_len", self.suffix_len, 0, 64)
         _check_int("suffix_min_match", self.suffix_min_match, 1, 1024)
         _check_float("suffix_prior", self.suffix_prior, 0.0, 1.0, low_open=True)
         _check_floats("priors", self.priors, 3, 3)
-        _check_floats("depth_discounts", self.depth_discounts, 1, 64)
+        _check_floats("depth_discounts", self.depth_discounts, 1, MAX_DEPTH)
         _check_bool("persistent_unigram", self.persistent_unigram)
         _check_bool("use_context_memories", self.use_context_memories)
         _check_int("max_context_rows", self.max_context_rows, 16, 1 << 24)
@@ -237,9 +244,23 @@ class RecapConfig:
             out[name] = value
         return out
 
-    def discount(self, depth: int) -> float:
-        """d(depth) for depth >= 1 (the last discount repeats)."""
-        return self.depth_discounts[min(depth, len(self.depth_discounts)) - 1]
+
+def discount_table(depth_discounts: Sequence[float]) -> np.ndarray:
+    """The depth discount d(depth) of every level, as the builders and the budget use it.
+
+    Args:
+        depth_discounts: `RecapConfig.depth_discounts`, d(1), d(2), ... (1 to MAX_DEPTH values).
+
+    Returns:
+        [MAX_DEPTH + 1] float64 indexed by depth: entry 0 (the root) is 1.0, entry d >= 1 is
+        depth_discounts[d - 1], the last configured value repeating for deeper levels.
+    """
+    table = np.empty(MAX_DEPTH + 1, np.float64)
+    table[0] = 1.0
+    n = len(depth_discounts)
+    for d in range(1, MAX_DEPTH + 1):
+        table[d] = depth_discounts[min(d, n) - 1]
+    return table
 
 
 def _coerce_enum(name: str, value: Any, enum_type: type[enum.Enum]) -> Any:

@@ -21,7 +21,14 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vllm_recap.core import _kernels as kernels
-from vllm_recap.core.config import MAX_VOCAB_SIZE, Policy, RecapConfig, TreeShape
+from vllm_recap.core.config import (
+    MAX_DEPTH,
+    MAX_VOCAB_SIZE,
+    Policy,
+    RecapConfig,
+    TreeShape,
+    discount_table,
+)
 from vllm_recap.core.fusion import FUSION_CODES, fuse
 from vllm_recap.core.memory import (
     ContextStore,
@@ -42,15 +49,18 @@ _OBSERVE_ERRORS = {
 
 
 class _Request:
-    __slots__ = ("history", "sam", "ctx", "unigram", "salt")
+    # memories: the kernels' `Memories` bundle over unigram and ctx, kept so a step does not
+    # rebuild it (see `Drafter._memories`).
+    __slots__ = ("history", "sam", "ctx", "unigram", "salt", "memories")
 
-    def __init__(self, history: list[int], sam: SuffixAutomaton | None,
-                 ctx: ContextStore | None, unigram: UnigramTable, salt: str | None) -> None:
+    def __init__(self, history: list[int], ctx: ContextStore | None, unigram: UnigramTable,
+                 salt: str | None, memories: tuple) -> None:
         self.history = history
-        self.sam = sam
+        self.sam: SuffixAutomaton | None = None
         self.ctx = ctx
         self.unigram = unigram
         self.salt = salt
+        self.memories = memories
 
 
 class Drafter:
@@ -83,12 +93,14 @@ class Drafter:
         # Token Recycling = U only, raw adjacency rows, static template, no suffix, and (as in
         # the original) no repeated-edge rule.
         self._ctx_on = config.use_context_memories and not tr
-        self._fusion = kernels.FUSE_BACKOFF if tr else FUSION_CODES[config.fusion]
+        fusion = kernels.FUSE_BACKOFF if tr else FUSION_CODES[config.fusion]
         self._template = tr or config.tree_shape is TreeShape.FIXED
         self._suffix_len = 0 if tr else config.suffix_len
-        self._no_repeat = not tr
-        self._priors = np.asarray(config.priors, np.float64)
-        self._discounts = np.asarray(config.depth_discounts, np.float64)
+        # kernels.DraftParams at the configured max_depth (`propose` may override it). A float
+        # suffix_prior even if given as an int, or the builders would compile twice.
+        self._params = (config.max_depth, discount_table(config.depth_discounts),
+                        np.asarray(config.priors, np.float64), fusion, not tr, self._blocked,
+                        float(config.suffix_prior))
         self._partitions = (
             UnigramPartitions(self.vocab_size, self._k, config.max_partitions)
             if config.persistent_unigram else None
@@ -99,8 +111,8 @@ class Drafter:
         # Hot-path copies of config values (attribute chains cost more than the 16-node tree).
         self._budget = config.node_budget
         self._depth = config.max_depth
-        self._suffix_prior = float(config.suffix_prior)  # an int would recompile the kernels
         self._suffix_min_match = config.suffix_min_match
+        self._template_arrays = (TEMPLATE_PARENTS, TEMPLATE_RANKS)
         self._allocate_outputs(1 + max(config.node_budget, len(TEMPLATE_PARENTS))
                                + config.suffix_len)
 
@@ -131,10 +143,13 @@ class Drafter:
         unigram = (self._partitions.get(salt) if self._partitions is not None
                    else UnigramTable(self.vocab_size, self._k))
         ctx = ContextStore(self._k, self.config.max_context_rows) if self._ctx_on else None
+        memories = (unigram.rows, True, *ctx.arrays()) if ctx is not None else (
+            unigram.rows, False, *self._empty_ctx)
+        req = _Request(prompt.tolist(), ctx, unigram, salt, memories)
         if prompt_rows is not None:
-            self._seed(req_id, prompt, prompt_rows, unigram, ctx)
-        sam = SuffixAutomaton(prompt) if self._suffix_len > 0 else None
-        self._requests[req_id] = _Request(prompt.tolist(), sam, ctx, unigram, salt)
+            self._seed(req_id, prompt, prompt_rows, req)
+        req.sam = SuffixAutomaton(prompt) if self._suffix_len > 0 else None
+        self._requests[req_id] = req
 
     def observe(self, req_id: str, node_tokens: np.ndarray, parents: np.ndarray,
                 topk_ids: np.ndarray, topk_probs: np.ndarray) -> None:
@@ -170,16 +185,11 @@ class Drafter:
                 f"request {req_id!r}: node_tokens[0] = {int(tokens[0])} is not the last history "
                 f"token {hist[-1]} (observe a step before committing it)"
             )
-        ctx = req.ctx
-        if ctx is not None:
-            ctx.reserve(2 * n)
-            tkeys, tvals, ring, meta = ctx.tkeys, ctx.tvals, ctx.ring, ctx.meta
-        else:
-            tkeys, tvals, ring, meta = self._empty_ctx
+        if req.ctx is not None:
+            req.ctx.reserve(2 * n)
         h2 = hist[-3] if len(hist) >= 3 else -1
         h1 = hist[-2] if len(hist) >= 2 else -1
-        status = kernels.observe_tree(tokens, parents, h2, h1, ids, probs, req.unigram.rows,
-                                      ctx is not None, tkeys, tvals, ring, meta)
+        status = kernels.observe_tree(tokens, parents, h2, h1, ids, probs, self._memories(req))
         if status:
             raise ValueError(f"request {req_id!r}: observe: {_OBSERVE_ERRORS[status]}")
 
@@ -203,16 +213,19 @@ class Drafter:
             req_id: a started request.
             node_budget: draft nodes before suffix insertion (default config.node_budget);
                 0 gives a root-only tree (no suffix either).
-            max_depth: deepest level (default config.max_depth); 0 gives a root-only tree.
+            max_depth: deepest level, at most MAX_DEPTH (default config.max_depth); 0 gives a
+                root-only tree.
 
         Returns:
-            DraftTree: parents-first, best chain at 1..L, no blocked token, width <= K (the
-            suffix path may add one more child to a node), depth <= max_depth, and (RECAP) no
-            edge (parent token, child token) repeated on a root->node path.
+            DraftTree: parents-first, best chain at 1..L, depths filled in, no blocked token,
+            width <= K (the suffix path may add one more child to a node), depth <= max_depth,
+            and (RECAP) no edge (parent token, child token) repeated on a root->node path.
         """
         req = self._get(req_id)
         budget = self._budget if node_budget is None else _nonneg("node_budget", node_budget)
         depth = self._depth if max_depth is None else _nonneg("max_depth", max_depth)
+        if depth > MAX_DEPTH:  # the discount table (and every per-depth array) ends there
+            raise ValueError(f"propose: max_depth = {depth} must be <= MAX_DEPTH = {MAX_DEPTH}")
         hist = req.history
         root = hist[-1]
         if budget == 0 or depth == 0:
@@ -220,27 +233,21 @@ class Drafter:
         suffix = self._no_suffix
         if req.sam is not None:
             suffix = req.sam.continuation(self._suffix_len, self._suffix_min_match)
-        ctx = req.ctx
-        tkeys, tvals = (ctx.tkeys, ctx.tvals) if ctx is not None else self._empty_ctx[:2]
-        h2 = hist[-3] if len(hist) >= 3 else -1
-        h1 = hist[-2] if len(hist) >= 2 else -1
         if 1 + budget + suffix.shape[0] > self._out_scores.shape[0]:
             self._allocate_outputs(1 + budget + suffix.shape[0])
-        out = self._out_ids
+        hist3 = (root, hist[-3] if len(hist) >= 3 else -1, hist[-2] if len(hist) >= 2 else -1)
+        params = self._params if max_depth is None else (depth, *self._params[1:])
+        memories = self._memories(req)
+        out_ints, out_scores = self._out_ints, self._out_scores
         if self._template:
             n_template = min(budget, TEMPLATE_PARENTS.shape[0] - 1) + 1
-            n, chain = kernels.build_template(
-                root, h2, h1, TEMPLATE_PARENTS, TEMPLATE_RANKS, n_template, depth,
-                self._discounts, self._priors, self._fusion, ctx is not None, self._no_repeat,
-                self._blocked, req.unigram.rows, tkeys, tvals, suffix, self._suffix_prior,
-                out[0], out[1], self._out_scores)
+            n, chain = kernels.build_template(hist3, self._template_arrays, n_template, params,
+                                              memories, suffix, out_ints, out_scores)
         else:
-            n, chain = kernels.build_best_first(
-                root, h2, h1, budget, depth, self._discounts, self._priors, self._fusion,
-                ctx is not None, self._no_repeat, self._blocked, req.unigram.rows, tkeys, tvals,
-                suffix, self._suffix_prior, out[0], out[1], self._out_scores)
-        pair = out[:, :n].copy()  # one copy for tokens and parents
-        return DraftTree(pair[0], pair[1], self._out_scores[:n].copy(), chain)
+            n, chain = kernels.build_best_first(hist3, budget, params, memories, suffix,
+                                                out_ints, out_scores)
+        ints = out_ints[:, :n].copy()  # one copy for tokens, parents and depths
+        return DraftTree(ints[0], ints[1], out_scores[:n].copy(), chain, ints[2])
 
     def stop(self, req_id: str) -> None:
         """Frees the request's local state (C, G, suffix automaton, private U)."""
@@ -293,17 +300,27 @@ class Drafter:
         return req
 
     def _allocate_outputs(self, size: int) -> None:
-        # Kernel output buffers, reused across calls (tokens and parents share one array so a
-        # DraftTree needs two copies, not three); each tree gets copies of the first n entries.
-        self._out_ids = np.empty((2, size), np.int64)
+        # Kernel output buffers, reused across calls (tokens, parents and depths share one
+        # array so a DraftTree needs two copies, not four); each tree gets copies of the first
+        # n entries.
+        self._out_ints = np.empty((3, size), np.int64)
         self._out_scores = np.empty(size, np.float64)
+
+    @staticmethod
+    def _memories(req: _Request) -> tuple:
+        """The request's `Memories` bundle (a plain tuple: cheaper for numba to type), rebuilt
+        only after its C/G table grew, which replaces the table's arrays."""
+        ctx = req.ctx
+        if ctx is not None and req.memories[2] is not ctx.tkeys:
+            req.memories = (req.unigram.rows, True, *ctx.arrays())
+        return req.memories
 
     def _check_tokens(self, req_id: str, name: str, tokens: np.ndarray) -> None:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ValueError(f"request {req_id!r}: {name} must lie in [0, {self.vocab_size})")
 
     def _seed(self, req_id: str, prompt: np.ndarray, prompt_rows: tuple[np.ndarray, ...],
-              unigram: UnigramTable, ctx: ContextStore | None) -> None:
+              req: _Request) -> None:
         if not isinstance(prompt_rows, (tuple, list)) or len(prompt_rows) not in (2, 3):
             raise ValueError(
                 f"request {req_id!r}: prompt_rows must be (ids, probs) or (ids, probs, positions)")
@@ -325,11 +342,9 @@ class Drafter:
                 f"request {req_id!r}: prompt_rows positions must lie in [0, {prompt.size})")
         padded = np.concatenate([np.full(2, -1, np.int64), prompt])
         ctx3 = np.stack([padded[pos], padded[pos + 1], padded[pos + 2]], axis=1)
-        arrays = self._empty_ctx
-        if ctx is not None:
-            ctx.reserve(2 * m)
-            arrays = ctx.arrays()
-        status = kernels.observe_contexts(ctx3, ids, probs, unigram.rows, ctx is not None, *arrays)
+        if req.ctx is not None:
+            req.ctx.reserve(2 * m)
+        status = kernels.observe_contexts(ctx3, ids, probs, self._memories(req))
         if status:
             raise ValueError(f"request {req_id!r}: prompt_rows: {_OBSERVE_ERRORS[status]}")
 
@@ -362,6 +377,7 @@ def warmup() -> float:
                             rng.random((n, k)))
             drafter.commit("warmup", [int(rng.integers(0, vocab - 1))])
         drafter.stop("warmup")
+    DraftTree(tree.tokens, tree.parents, tree.scores)  # best_chain_length (trees built by hand)
     fuse(np.arange(16).reshape(2, 8), np.ones((2, 8)))  # fuse_rows
     store = ContextStore(k, 4 * ContextStore.INITIAL_ROWS)
     store.reserve(2 * ContextStore.INITIAL_ROWS)  # compiles rehash

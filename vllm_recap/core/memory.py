@@ -26,8 +26,13 @@ class UnigramTable:
     Dense because it is bounded by the vocabulary anyway and a lookup is then one index, no
     hashing: vocab * (8 K + 4) bytes (~3.3 MB for vocab 49152, K = 8).
 
+    Creating one costs no memory traffic: the table is all zeros (``np.zeros`` asks the OS for
+    zero pages, which are only mapped when a row is written), and conf = 0 marks "no row"
+    (a written row's conf = exp(-H) is at least 1/K). A new cache_salt partition therefore
+    takes microseconds in the engine loop, not a multi-MB fill.
+
     Attributes:
-        rows: [vocab, 2K + 1] float32 records (ids | probs | conf), conf = -1 where no row was
+        rows: [vocab, 2K + 1] float32 records (ids | probs | conf), conf = 0 where no row was
             written yet.
     """
 
@@ -35,7 +40,6 @@ class UnigramTable:
 
     def __init__(self, vocab_size: int, k: int) -> None:
         self.rows = np.zeros((vocab_size, 2 * k + 1), np.float32)
-        self.rows[:, 2 * k] = -1.0
 
     @property
     def nbytes(self) -> int:
@@ -43,11 +47,11 @@ class UnigramTable:
 
     @property
     def num_rows(self) -> int:
-        return int(np.count_nonzero(self.rows[:, -1] >= 0))
+        return int(np.count_nonzero(self.rows[:, -1] > 0))
 
     def row(self, token: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(ids [K] int64, probs [K] float32) stored for `token`, or None."""
-        if self.rows[token, -1] < 0:
+        if self.rows[token, -1] <= 0:
             return None
         return _decode(self.rows[token])
 
@@ -80,7 +84,10 @@ class ContextStore:
         return np.full(size, kernels.EMPTY, np.int64), np.zeros((size, 2 * k + 1), np.float32)
 
     def reserve(self, n_new: int) -> None:
-        """Makes room for `n_new` new keys, growing (never past max_rows) if needed."""
+        """Makes room for `n_new` new keys, growing (never past max_rows) if needed.
+
+        Growing replaces tkeys, tvals and ring with new arrays (`meta` stays).
+        """
         count = int(self.meta[0])
         n_rows = self.ring.shape[0]
         if count + n_new <= n_rows or n_rows >= self.max_rows:
@@ -94,7 +101,7 @@ class ContextStore:
         self.tkeys, self.tvals, self.ring = tkeys, tvals, ring
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(tkeys, tvals, ring, meta) as the kernels take them."""
+        """(tkeys, tvals, ring, meta): the last four fields of the kernels' `Memories`."""
         return self.tkeys, self.tvals, self.ring, self.meta
 
     @property
@@ -157,29 +164,3 @@ class UnigramPartitions:
     def tables(self) -> list[UnigramTable]:
         return list(self._tables.values())
 
-
-def topk_rows_from_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Memory rows from full logits: the top-k ids and the softmax over those k logits.
-
-    Args:
-        logits: [n, vocab] float.
-        k: ids kept per row (<= vocab).
-
-    Returns:
-        ids [n, k] int64 by logit descending (ties: lower id first), probs [n, k] float32.
-    """
-    logits = np.asarray(logits, dtype=np.float64)
-    if logits.ndim != 2 or not 1 <= k <= logits.shape[1]:
-        raise ValueError(f"logits must be [n, vocab] with vocab >= k={k}, got {logits.shape}")
-    part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-    # argpartition breaks ties arbitrarily; re-select deterministically among the tied values.
-    kth = np.take_along_axis(logits, part, axis=1).min(axis=1, keepdims=True)
-    ids = np.empty((logits.shape[0], k), np.int64)
-    for i in range(logits.shape[0]):
-        above = np.flatnonzero(logits[i] > kth[i, 0])
-        ties = np.flatnonzero(logits[i] == kth[i, 0])[: k - above.size]
-        cand = np.concatenate([above, ties])
-        ids[i] = cand[np.lexsort((cand, -logits[i, cand]))]
-    kept = np.take_along_axis(logits, ids, axis=1)
-    e = np.exp(kept - kept[:, :1])
-    return ids, (e / e.sum(axis=1, keepdims=True)).astype(np.float32)

@@ -4,20 +4,50 @@ Each decoding step does what an engine does: propose a tree, let the target prod
 for every node, verify greedily, observe the rows, commit the accepted path + bonus token. The
 simulator counts acceptance the way vLLM logs it (1 + accepted / drafts, over steps that had a
 draft) and also tokens per target pass over all steps, and checks that the output equals the
-target's own greedy stream -- the losslessness contract. Stand-in targets live in
-``targets.py``.
+target's own greedy stream -- the losslessness contract. Stand-in targets (test fixtures) live
+in ``tests/core/targets.py``; anything with the `Target` methods will do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import numpy as np
 
 from vllm_recap.core.drafter import Drafter
-from vllm_recap.core.targets import Target
 from vllm_recap.core.verify import verify_greedy
+
+
+class Target(Protocol):
+    """A deterministic stand-in for the target model: what the simulator asks of it."""
+
+    def rows(self, history: Sequence[int], tokens: np.ndarray,
+             parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Top-K rows after each node's context (history + path root->i, node 0 = history[-1]).
+
+        Args:
+            history: [h] the committed tokens, history[-1] = tokens[0].
+            tokens: [n] node tokens of a parents-first tree.
+            parents: [n] its parents, parents[0] == -1.
+
+        Returns:
+            ids [n, K] int64 (argmax first) and probs [n, K] float32 (descending).
+        """
+        ...
+
+    def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
+        """The first n tokens of greedy decoding after `prompt` (the ground truth)."""
+        ...
+
+
+class SeedingTarget(Target, Protocol):
+    """A target that can also give the rows of a whole prompt (``seed_prompt_rows=True``)."""
+
+    def prompt_rows(self, prompt: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows after every prompt prefix: ids [p, K] int64, probs [p, K] float32."""
+        ...
 
 
 @dataclass
@@ -76,7 +106,7 @@ def simulate(drafter: Drafter, target: Target, prompts: Sequence[Sequence[int]],
         prompts: token id lists.
         max_new_tokens: tokens generated per prompt (>= 1).
         seed_prompt_rows: pass the target's rows for every prompt position to `start`
-            (needs `target.prompt_rows`).
+            (needs a `SeedingTarget`).
         node_budget: per-call budget override.
         salt: persistent-U partition.
         check: raise AssertionError unless each output equals `target.greedy`.
@@ -86,8 +116,7 @@ def simulate(drafter: Drafter, target: Target, prompts: Sequence[Sequence[int]],
     for i, prompt in enumerate(prompts):
         prompt = [int(t) for t in prompt]
         rid = f"sim-{i}"
-        rows = (target.prompt_rows(prompt)  # type: ignore[attr-defined]
-                if seed_prompt_rows else None)
+        rows = cast(SeedingTarget, target).prompt_rows(prompt) if seed_prompt_rows else None
         drafter.start(rid, prompt, prompt_rows=rows, salt=salt)
         root = np.array([prompt[-1]], np.int64)
         no_parent = np.array([-1], np.int64)

@@ -20,19 +20,28 @@ import numpy as np
 from vllm_recap.core import _kernels as kernels
 
 
+# Rows of SuffixAutomaton._states [4, S] int32 (the kernel unpacks them in this order).
+_LEN, _LINK, _FIRST, _HEAD = range(4)
+
+
 class SuffixAutomaton:
     """Suffix automaton with first end positions, over int token ids in [0, 2**21)."""
 
     INITIAL_TOKENS = 64
 
-    __slots__ = ("_toks", "_len", "_link", "_first", "_head", "_etok", "_eto", "_enext",
-                 "_hkeys", "_hvals", "_meta")
+    # _toks [cap] int64 the history; _states [4, S] int32 rows (length of the longest string,
+    # suffix link, earliest end position, first outgoing edge or -1); _edges [3, E] int32 rows
+    # (token, target state, next edge of the same state or -1: a state's edges form a linked
+    # list, needed to copy them into a clone); _hkeys [H] int64 / _hvals [H] int32 hash the
+    # transitions (state << 21 | token -> edge); _meta [4] int64 (tokens, states, edges,
+    # last state). Few arrays, so the kernels take them as plain arguments.
+    __slots__ = ("_toks", "_states", "_edges", "_hkeys", "_hvals", "_meta")
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self._meta = np.array([0, 1, 0, 0], np.int64)  # tokens, states, edges, last state
         self._allocate(self.INITIAL_TOKENS)
-        self._link[0] = -1
-        self._first[0] = -1
+        self._states[_LINK, 0] = -1
+        self._states[_FIRST, 0] = -1
         self.extend(tokens)
 
     def _allocate(self, n_tokens: int) -> None:
@@ -41,23 +50,19 @@ class SuffixAutomaton:
         size = 1
         while size < 2 * n_edges:
             size *= 2
-        old = getattr(self, "_toks", None)
-        toks, s = np.zeros(n_tokens, np.int64), [np.zeros(n_states, np.int32) for _ in range(4)]
-        e = [np.zeros(n_edges, np.int32) for _ in range(3)]
+        toks = np.zeros(n_tokens, np.int64)
+        states = np.zeros((4, n_states), np.int32)
+        edges = np.zeros((3, n_edges), np.int32)
         hkeys, hvals = np.full(size, kernels.EMPTY, np.int64), np.zeros(size, np.int32)
-        if old is not None:
+        if getattr(self, "_toks", None) is not None:
             n, ns, ne = (int(x) for x in self._meta[:3])
             toks[:n] = self._toks[:n]
-            for new, cur in zip(s, (self._len, self._link, self._first, self._head), strict=True):
-                new[:ns] = cur[:ns]
-            for new, cur in zip(e, (self._etok, self._eto, self._enext), strict=True):
-                new[:ne] = cur[:ne]
-            kernels.sam_rehash(s[3], e[0], e[2], ns, hkeys, hvals)
+            states[:, :ns] = self._states[:, :ns]
+            edges[:, :ne] = self._edges[:, :ne]
+            kernels.sam_rehash(states, edges, ns, hkeys, hvals)
         else:
-            s[3][0] = -1  # the root has no edges yet
-        self._toks = toks
-        self._len, self._link, self._first, self._head = s
-        self._etok, self._eto, self._enext = e
+            states[_HEAD, 0] = -1  # the root has no edges yet
+        self._toks, self._states, self._edges = toks, states, edges
         self._hkeys, self._hvals = hkeys, hvals
 
     def __len__(self) -> int:
@@ -77,8 +82,8 @@ class SuffixAutomaton:
         need = int(self._meta[0]) + new.size
         if need > self._toks.shape[0]:
             self._allocate(max(need, 2 * self._toks.shape[0]))
-        kernels.sam_extend(new, self._toks, self._len, self._link, self._first, self._head,
-                     self._etok, self._eto, self._enext, self._hkeys, self._hvals, self._meta)
+        kernels.sam_extend(new, self._toks, self._states, self._edges, self._hkeys, self._hvals,
+                           self._meta)
 
     def append(self, token: int) -> None:
         """Appends one token."""
@@ -88,10 +93,10 @@ class SuffixAutomaton:
         """(length, end) of the longest suffix that also ended at an earlier position `end`
         (the earliest one); (0, -1) if none."""
         last = int(self._meta[3])
-        state = int(self._link[last]) if last else -1
+        state = int(self._states[_LINK, last]) if last else -1
         if state <= 0:
             return 0, -1
-        return int(self._len[state]), int(self._first[state])
+        return int(self._states[_LEN, state]), int(self._states[_FIRST, state])
 
     def continuation(self, max_len: int, min_match: int = 1) -> np.ndarray:
         """Tokens that followed the earliest earlier occurrence of the longest repeated suffix.

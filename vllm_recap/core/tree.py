@@ -1,4 +1,4 @@
-"""The one draft-tree type, and the one pure function that derives its structure.
+"""The one draft-tree type, and the pure functions that derive its structure.
 
 A tree is flat: node 0 is the root (the last committed token, not a draft), node i > 0 has
 ``parents[i] < i``. Every prefix of the node list is therefore a tree too, so an engine may
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_recap.core import _kernels as kernels
+
 
 class DraftTree:
     """A proposed draft tree (treat as immutable).
@@ -20,18 +22,20 @@ class DraftTree:
         parents: [n] int64; parents[0] == -1, parents[i] < i.
         scores: [n] float64 builder scores; root 1.0. Higher = more likely accepted.
         chain_len: L, the length of the best chain laid out at 1..L (derived if -1).
+        depths: [n] int64 node depths, root 0 (the builders write them; derived if None).
     """
 
     # A plain slotted class, not a frozen dataclass: construction is on the per-step hot path
     # and frozen dataclasses pay object.__setattr__ per field.
-    __slots__ = ("tokens", "parents", "scores", "chain_len")
+    __slots__ = ("tokens", "parents", "scores", "chain_len", "depths")
 
     def __init__(self, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray,
-                 chain_len: int = -1) -> None:
+                 chain_len: int = -1, depths: np.ndarray | None = None) -> None:
         self.tokens = tokens
         self.parents = parents
         self.scores = scores
-        self.chain_len = best_chain_length(parents, scores) if chain_len < 0 else int(chain_len)
+        self.chain_len = _chain_length(parents, scores) if chain_len < 0 else int(chain_len)
+        self.depths = tree_depths(parents) if depths is None else depths
 
     def __repr__(self) -> str:
         return (f"DraftTree(tokens={self.tokens.tolist()}, parents={self.parents.tolist()}, "
@@ -40,7 +44,8 @@ class DraftTree:
     @classmethod
     def root_only(cls, root: int) -> DraftTree:
         """A tree with no drafts."""
-        return cls(np.array([root], np.int64), np.array([-1], np.int64), np.array([1.0]), 0)
+        return cls(np.array([root], np.int64), np.array([-1], np.int64), np.array([1.0]), 0,
+                   np.zeros(1, np.int64))
 
     @property
     def num_nodes(self) -> int:
@@ -70,71 +75,85 @@ class DraftTree:
         """The first `n_nodes` nodes, root included (a valid tree since parents come first)."""
         n = max(1, min(int(n_nodes), self.num_nodes))
         return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n],
-                         min(self.chain_len, n - 1))
+                         min(self.chain_len, n - 1), self.depths[:n])
 
     def is_chain(self) -> bool:
         """True if every node's parent is the node before it (a single path)."""
         return bool(np.all(self.parents[1:] == np.arange(self.num_nodes - 1)))
 
     def validate(self) -> None:
-        """Raises ValueError unless the arrays form a parents-first tree (for tests/debug)."""
-        if not (self.tokens.shape == self.parents.shape == self.scores.shape):
-            raise ValueError(
-                f"tokens/parents/scores shapes differ: {self.tokens.shape}, "
-                f"{self.parents.shape}, {self.scores.shape}"
-            )
-        tree_structure(self.parents)
+        """Raises ValueError unless the arrays form a parents-first tree with matching depths
+        (for tests/debug)."""
+        shapes = (self.tokens.shape, self.parents.shape, self.scores.shape, self.depths.shape)
+        if len(set(shapes)) != 1:
+            raise ValueError(f"tokens/parents/scores/depths shapes differ: {shapes}")
+        if not np.array_equal(tree_depths(self.parents), self.depths):
+            raise ValueError(f"depths {self.depths.tolist()} do not match the parents")
 
 
-def tree_structure(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Depths, position offsets and the ancestor mask of a parents-first tree.
-
-    The mask rule is SGLang's: a node's row is its parent's row plus its own diagonal.
-
-    Args:
-        parents: [n] int; parents[0] == -1 and 0 <= parents[i] < i for i > 0.
-
-    Returns:
-        depths: [n] int64, root 0.
-        positions: [n] int64 position offsets from the root (= depths; a node's position is
-            prefix length + depth).
-        mask: [n, n] bool, mask[i, j] = j is i or an ancestor of i.
-
-    Raises:
-        ValueError: if `parents` is not a parents-first tree.
-    """
+def _checked_parents(parents: np.ndarray) -> np.ndarray:
+    """`parents` as an array, or ValueError naming the first entry that breaks parents-first."""
     parents = np.asarray(parents)
-    n = parents.shape[0]
-    if parents.ndim != 1 or n == 0 or parents[0] != -1:
+    n = parents.shape[0] if parents.ndim == 1 else 0
+    if n == 0 or parents[0] != -1:
         raise ValueError(f"parents must be 1-D with parents[0] == -1, got {parents!r}")
     idx = np.arange(1, n)
     bad = (parents[1:] < 0) | (parents[1:] >= idx)
     if bad.any():
         i = int(idx[bad][0])
         raise ValueError(f"parents[{i}] = {int(parents[i])} must be in [0, {i})")
-    depths = np.zeros(n, np.int64)
+    return parents
+
+
+def _chain_length(parents: np.ndarray, scores: np.ndarray) -> int:
+    """The builders' best-chain rule (one implementation, in the kernels) for a tree built by
+    hand; validated first, since the compiled code does not bounds-check."""
+    parents = _checked_parents(parents)
+    if np.shape(scores) != parents.shape:
+        raise ValueError(f"scores must be [{parents.shape[0]}], got {np.shape(scores)}")
+    # Cast: one compiled specialisation whatever the caller passes.
+    return int(kernels.best_chain_length(np.ascontiguousarray(parents, np.int64),
+                                         np.ascontiguousarray(scores, np.float64)))
+
+
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    """Node depths of a parents-first tree (a node's position is prefix length + depth).
+
+    Args:
+        parents: [n] int; parents[0] == -1 and 0 <= parents[i] < i for i > 0.
+
+    Returns:
+        [n] int64, root 0.
+
+    Raises:
+        ValueError: if `parents` is not a parents-first tree.
+    """
+    parents = _checked_parents(parents)
+    depths = np.zeros(parents.shape[0], np.int64)
+    for i in range(1, parents.shape[0]):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def ancestor_mask(parents: np.ndarray) -> np.ndarray:
+    """Tree-attention mask of a parents-first tree.
+
+    The rule is SGLang's: a node's row is its parent's row plus its own diagonal.
+
+    Args:
+        parents: [n] int; parents[0] == -1 and 0 <= parents[i] < i for i > 0.
+
+    Returns:
+        [n, n] bool, mask[i, j] = j is i or an ancestor of i.
+
+    Raises:
+        ValueError: if `parents` is not a parents-first tree.
+    """
+    parents = _checked_parents(parents)
+    n = parents.shape[0]
     mask = np.zeros((n, n), np.bool_)
     mask[0, 0] = True
     for i in range(1, n):
-        p = parents[i]
-        depths[i] = depths[p] + 1
-        mask[i, :i] = mask[p, :i]
+        mask[i, :i] = mask[parents[i], :i]
         mask[i, i] = True
-    return depths, depths.copy(), mask
-
-
-def best_chain_length(parents: np.ndarray, scores: np.ndarray) -> int:
-    """Length L of the best chain if it is laid out at 1..L (else the laid-out part of it).
-
-    The best chain follows, from the root, the highest-scoring child (ties: lower index).
-    """
-    n = len(parents)
-    best = np.full(n, -1, np.int64)
-    for u in range(1, n):
-        p = parents[u]
-        if best[p] < 0 or scores[u] > scores[best[p]]:
-            best[p] = u
-    length = 0
-    while best[length] == length + 1:
-        length += 1
-    return length
+    return mask

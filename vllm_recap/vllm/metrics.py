@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-logger = logging.getLogger("vllm_recap")
+from vllm_recap.core.config import MAX_DEPTH
 
-MAX_DEPTH = 64
+logger = logging.getLogger("vllm_recap")
 
 
 @dataclass
@@ -60,12 +60,21 @@ class TreeMetrics:
             "per_depth_acceptance": per_depth,
         }
 
-    def maybe_log(self) -> None:
+    def maybe_log(self, live_requests: int) -> None:
+        """The periodic "RECAP metrics" line (every ``log_interval_s`` while drafting)."""
         now = time.monotonic()
         if now - self._last_log < self.log_interval_s or not self.steps:
             return
         self._last_log = now
         s = self.snapshot()
         logger.info("RECAP metrics: %d tree steps, mean draft nodes %.1f, mean acceptance length "
-                    "%.2f, per-depth acceptance %s", s["steps"], s["mean_nodes"],
-                    s["acceptance_length"], s["per_depth_acceptance"])
+                    "%.2f, per-depth acceptance %s, live requests %d", s["steps"],
+                    s["mean_nodes"], s["acceptance_length"], s["per_depth_acceptance"],
+                    live_requests)
+
+
+def log_idle(memory: dict[str, int]) -> None:
+    """One line when the last request's local state is freed (a burst of traffic ended)."""
+    logger.info("RECAP idle: request-local state freed (live requests %d, context rows %d); "
+                "persistent unigram tables %d (%.1f MiB)", memory["requests"],
+                memory["context_rows"], memory["u_tables"], memory["u_bytes"] / 2**20)

@@ -23,21 +23,35 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def translate(spec: dict[str, Any], device: str = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+# vLLM's rejection sampler asserts at most this many draft tokens per request and step
+# (vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN in 0.32 and 0.33).
+VLLM_MAX_DRAFTS = 128
+
+
+def translate(spec: dict[str, Any], device: str = "cpu", pipeline_parallel_size: int = 1
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Validates a RECAP speculative config and returns (vLLM config, RECAP options).
 
     Args:
         spec: the user's dict, ``method`` == "recap".
         device: "cpu" or "cuda", for hardware defaults.
+        pipeline_parallel_size: the engine's; RECAP needs every layer's attention on one rank.
 
     Returns:
         ``{"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": n}`` and
         the full RECAP option dict (``RecapConfig.to_dict()``) for ``additional_config``.
 
     Raises:
-        ValueError: unknown key (the message lists the valid ones) or a bad value (field,
-            value and allowed range).
+        ValueError: unknown key (the message lists the valid ones), a bad value (field,
+            value and allowed range), more drafts per request than vLLM verifies, or
+            pipeline parallelism.
     """
+    if pipeline_parallel_size > 1:
+        raise ValueError(
+            f"speculative method 'recap' does not support pipeline parallelism "
+            f"(pipeline_parallel_size = {pipeline_parallel_size}): tree verification needs every "
+            "attention layer of a step on one rank. Use tensor parallelism, or an engine "
+            "without speculative decoding.")
     knobs = {k.replace("-", "_"): v for k, v in spec.items() if k != "method"}
     valid = RecapConfig.field_names()
     unknown = sorted(k for k in knobs if k not in valid and k not in VLLM_KEYS)
@@ -51,10 +65,17 @@ def translate(spec: dict[str, Any], device: str = "cpu") -> tuple[dict[str, Any]
     config = RecapConfig.from_dict(knobs)
     needed = max_drafts(config)
     n = vllm_part.get("num_speculative_tokens", needed)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if "num_speculative_tokens" not in vllm_part and needed > VLLM_MAX_DRAFTS:
+        raise ValueError(
+            f"speculative_config asks for up to {needed} draft tokens per request "
+            f"(node_budget {config.node_budget} + suffix_len {config.suffix_len}), but vLLM "
+            f"verifies at most {VLLM_MAX_DRAFTS}: lower node_budget, or set "
+            f"num_speculative_tokens <= {VLLM_MAX_DRAFTS} to cap the drafts.")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= VLLM_MAX_DRAFTS:
         raise ValueError(
             f"speculative_config num_speculative_tokens = {n!r} is out of range: must be an int "
-            f">= 1 (it caps RECAP's draft nodes per request; default {needed}).")
+            f"in [1, {VLLM_MAX_DRAFTS}] (it caps RECAP's draft nodes per request; vLLM verifies "
+            f"at most {VLLM_MAX_DRAFTS}; default {needed}).")
     return ({"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": n},
             config.to_dict())
 

@@ -7,36 +7,30 @@ spec-decode metrics work unchanged. Chains and sampled requests keep vLLM's resu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from vllm_recap.core.verify import verify_greedy
-from vllm_recap.vllm.step import StepPlan
+from vllm_recap.vllm.context import StashedKV, StepPlan
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID for rejected positions
 
 
-@dataclass
-class StepRows:
-    """The target's top-K rows for every evaluated position of one step.
-
-    Attributes:
-        ids: [R, K] int64 top-K token ids, R = sum over requests of (1 + drafts).
-        probs: [R, K] float32 softmax over the K kept logits.
-        node_tokens: [R] int64 the token at each evaluated position.
-    """
-
-    ids: np.ndarray
-    probs: np.ndarray
-    node_tokens: np.ndarray
-
-
 def topk_rows(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-K ids and their renormalised probabilities for each logits row ([R, V] -> [R, K])."""
-    values, ids = torch.topk(logits.float(), k, dim=-1)
-    probs = torch.softmax(values, dim=-1)
+    """Memory rows: the top-K ids of each logits row and the softmax over those K logits.
+
+    The one top-K function of the project (prompt seeding and verified steps). Ties keep
+    ``torch.topk``'s order; rows only rank candidates, so ties need no rule of their own.
+
+    Args:
+        logits: [R, V] (any float dtype, any device).
+        k: ids kept per row (<= V).
+
+    Returns:
+        ids [R, K] int64 by logit descending, probs [R, K] float32 summing to 1 per row.
+    """
+    values, ids = torch.topk(logits, k, dim=-1)
+    probs = torch.softmax(values.float(), dim=-1)
     return ids.cpu().numpy().astype(np.int64), probs.cpu().numpy()
 
 
@@ -44,7 +38,7 @@ def node_tokens_of_rows(plan: StepPlan, input_ids: torch.Tensor) -> np.ndarray:
     """[R] the input token at each logits row: the last 1 + drafts scheduled tokens of a request."""
     ends = plan.query_starts[1:]
     idx = np.concatenate([np.arange(e - (d + 1), e) for e, d in zip(ends, plan.num_drafts)])
-    return input_ids[torch.from_numpy(idx)].cpu().numpy().astype(np.int64)
+    return input_ids[torch.from_numpy(idx).to(input_ids.device)].cpu().numpy().astype(np.int64)
 
 
 def tree_argmax(plan: StepPlan, logits: torch.Tensor) -> np.ndarray:
@@ -57,7 +51,7 @@ def tree_argmax(plan: StepPlan, logits: torch.Tensor) -> np.ndarray:
     starts = plan.logits_starts
     rows = np.concatenate([np.arange(starts[t.batch_index], starts[t.batch_index] + t.num_nodes)
                            for t in plan.trees])
-    return logits[torch.from_numpy(rows)].argmax(dim=-1).cpu().numpy()
+    return logits[torch.from_numpy(rows).to(logits.device)].argmax(dim=-1).cpu().numpy()
 
 
 def accept_trees(plan: StepPlan, argmax: np.ndarray, node_tokens: np.ndarray,
@@ -91,7 +85,7 @@ def accept_trees(plan: StepPlan, argmax: np.ndarray, node_tokens: np.ndarray,
     return accepted
 
 
-def compact_kv(plan: StepPlan, accepted: dict[int, np.ndarray]) -> int:
+def compact_kv(stash: list[StashedKV], accepted: dict[int, np.ndarray]) -> int:
     """Copies accepted off-chain nodes' K/V to the slots of their depth, in every layer.
 
     A node at index a verified at depth d was written at slot (root slot + a); after
@@ -108,10 +102,11 @@ def compact_kv(plan: StepPlan, accepted: dict[int, np.ndarray]) -> int:
         if off.any():
             moves[batch_index] = (nodes[off], depth[off])
     copies = 0
-    for impl, layer, kv_cache, batch_index, k, v, slots in plan.kv_stash:
-        if batch_index not in moves:
+    for entry in stash:
+        if entry.batch_index not in moves:
             continue
-        src, dst = (torch.from_numpy(a) for a in moves[batch_index])
-        impl.do_kv_cache_update(layer, k[src], v[src], kv_cache, slots[dst])
+        src, dst = (torch.from_numpy(a).to(entry.slots.device) for a in moves[entry.batch_index])
+        entry.writer.do_kv_cache_update(entry.layer, entry.key[src], entry.value[src],
+                                        entry.kv_cache, entry.slots[dst])
         copies += 1
     return copies

@@ -1,4 +1,4 @@
-"""Deterministic stand-in targets for the replay simulator and the benchmark.
+"""Deterministic stand-in targets (`simulator.Target`) for the replay simulator and bench_core.
 
 A target answers what the real model would: the top-K row after any context (every node of a
 draft tree), and its own greedy stream (the ground truth a speculative run must reproduce).
@@ -12,27 +12,10 @@ draft tree), and its own greedy stream (the ground truth a speculative run must 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 
-
-class Target(Protocol):
-    """A deterministic stand-in for the target model."""
-
-    k: int
-
-    def rows(self, history: Sequence[int], tokens: np.ndarray,
-             parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Top-K rows after each node's context (history + path root->i, node 0 = history[-1]).
-
-        Returns ids [n, K] int64 (argmax first) and probs [n, K] float32 (descending).
-        """
-        ...
-
-    def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
-        """The first n tokens of greedy decoding after `prompt`."""
-        ...
+from vllm_recap.core.simulator import Target
 
 
 class ContextTarget:

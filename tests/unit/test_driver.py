@@ -1,0 +1,204 @@
+"""The step driver through a fake engine loop: every hook, no vLLM engine, milliseconds.
+
+The fake engine (tests/unit/fake_engine.py) schedules, runs a toy target whose logits depend
+on each token's real context (tree nodes see their path, as with tree attention), samples
+chains as vLLM does and keeps vLLM's bookkeeping. Greedy decoding of the toy target is the
+reference every run must equal token for token.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.unit.fake_engine import VOCAB, FakeEngine, ToyTarget, greedy_params, make_driver
+from vllm_recap.core.config import BudgetPolicy, RecapConfig
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = {
+    "a": [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    "b": [11, 12, 13, 11, 12, 13, 11, 12],
+    "c": list(range(20, 60)),  # 40 tokens: three prefill chunks of 16
+}
+
+
+def _reference(target: ToyTarget, n: int) -> dict[str, list[int]]:
+    return {rid: target.greedy(p, n) for rid, p in PROMPTS.items()}
+
+
+def _engine(n_ranks: int = 1, config: RecapConfig | None = None, **kw) -> FakeEngine:
+    max_model_len = kw.pop("max_model_len", 512)
+    drivers = [make_driver(config, max_model_len=max_model_len) for _ in range(n_ranks)]
+    return FakeEngine(drivers, max_model_len=max_model_len, **kw)
+
+
+def _add_all(engine: FakeEngine, n: int) -> None:
+    for rid, prompt in PROMPTS.items():
+        engine.add(rid, prompt, n)
+
+
+def test_greedy_trees_equal_sequential_decoding_with_chunked_prefill():
+    engine = _engine()
+    _add_all(engine, 40)
+    out = engine.run()
+    assert out == _reference(engine.target, 40)
+    driver = engine.drivers[0]
+    assert driver.stats["tree_requests"] > 0 and engine.off_chain_accepts > 0
+    assert driver.drafter.num_requests == 0 and len(driver.records) == 0
+    assert driver.scope.current is None
+
+
+def test_mrope_positions_move_with_depth():
+    engine = _engine(uses_mrope=True)  # the fake forward checks every node's position
+    _add_all(engine, 24)
+    assert engine.run() == _reference(engine.target, 24)
+    assert engine.drivers[0].stats["tree_requests"] > 0
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_position_rewrite_runs_on_a_non_cpu_device(mrope):
+    """The runner's position tensors live on the accelerator: nothing may mix in CPU tensors
+    (meta tensors raise on any device mix, on any machine)."""
+    engine = _engine(device="meta", uses_mrope=mrope)
+    _add_all(engine, 24)
+    engine.run()  # outputs are meaningless here (positions unreadable); it must not raise
+    assert engine.drivers[0].stats["tree_requests"] > 0
+
+
+def test_acceptance_is_written_in_vllms_layout():
+    engine = _engine()
+    _add_all(engine, 30)
+    seen = []
+    driver = engine.drivers[0]
+    original = driver.sample
+
+    def sample(runner, orig, logits, md):
+        out = original(runner, orig, logits, md)
+        ctx = driver.scope.current
+        for b, nodes in ctx.accepted.items():
+            row = out.sampled_token_ids[b].tolist()
+            k = len(nodes)
+            assert row[k] >= 0 and all(t == -1 for t in row[k + 1:])
+            assert out.sampled_token_ids.shape[1] == int(ctx.plan.num_drafts.max()) + 1
+            seen.append(k)
+        return out
+
+    driver.sample = sample
+    assert engine.run() == _reference(engine.target, 30)
+    assert seen and max(seen) >= 2
+
+
+def test_finished_aborted_preempted_resumed_and_reused_ids_free_state():
+    engine = _engine()
+    _add_all(engine, 30)
+    ref = _reference(engine.target, 30)
+    driver = engine.drivers[0]
+    for _ in range(6):
+        engine.step()
+    assert driver.drafter.num_requests >= 2
+    engine.abort("b")
+    engine.preempt("a")
+    engine.step()
+    assert not driver.drafter.has_request("a") and not driver.drafter.has_request("b")
+    assert "b" not in driver.records
+    engine.run()
+    assert engine.finished["a"] == ref["a"] and engine.finished["c"] == ref["c"]
+    assert driver.drafter.num_requests == 0 and len(driver.records) == 0
+    engine.add("a", PROMPTS["b"], 20)  # a finished id comes back with another prompt
+    engine.run()
+    assert engine.finished["a"] == engine.target.greedy(PROMPTS["b"], 20)
+    assert driver.drafter.num_requests == 0 and len(driver.records) == 0
+
+
+def test_steps_without_proposals_resynchronise_from_vllms_history():
+    """vLLM skips the proposer for a whole batch near max_model_len (or when it has no spec
+    metadata): the committed tokens of those steps must still reach the drafter."""
+    engine = _engine()
+    _add_all(engine, 40)
+    engine.skip_propose_steps = {4, 5, 9, 12, 13, 14}
+    assert engine.run() == _reference(engine.target, 40)
+    assert engine.drivers[0].stats["resynced"] > 0
+
+
+def test_requests_at_the_length_limit_never_draft_past_it():
+    engine = _engine(max_model_len=64)
+    _add_all(engine, 60)  # all of them run into the limit
+    out = engine.run()
+    ref = _reference(engine.target, 60)
+    for rid, prompt in PROMPTS.items():
+        n = 64 - len(prompt)
+        assert out[rid] == ref[rid][:n]
+
+
+def test_prompt_seeding_dedupes_and_caps_across_prefill_chunks():
+    config = RecapConfig(node_budget=8, suffix_len=4, prompt_seed_rows=5)
+    engine = _engine(config=config, chunk=4)
+    prompt = [7, 7, 8, 7, 9, 9, 10, 11, 8, 12, 13, 14]
+    engine.add("r", prompt, 4)
+    picked = []
+    driver = engine.drivers[0]
+    original = driver.seeder.choose
+
+    def choose(plan, token_ids, records):
+        picks = original(plan, token_ids, records)
+        picked.extend(int(p) for _, positions in picks for p in positions)
+        return picks
+
+    driver.seeder.choose = choose
+    engine.run()
+    # first occurrences of distinct tokens, in order, capped at 5: 7@0, 8@2, 9@4, 10@6, 11@7
+    assert picked == [0, 2, 4, 6, 7]
+    assert driver.seeder.rows_seeded == 5
+
+
+@pytest.mark.parametrize("hook", ["begin_step", "sample", "propose"])
+def test_context_is_cleared_when_a_hook_raises(hook, monkeypatch):
+    engine = _engine()
+    _add_all(engine, 20)
+    for _ in range(5):
+        engine.step()
+    driver = engine.drivers[0]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    if hook == "begin_step":
+        monkeypatch.setattr("vllm_recap.vllm.driver.build_plan", boom)
+    elif hook == "sample":
+        monkeypatch.setattr("vllm_recap.vllm.driver.topk_rows", boom)
+    else:
+        monkeypatch.setattr(driver.drafter, "propose", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    assert driver.scope.current is None
+
+
+def test_tensor_parallel_ranks_with_different_clocks_lay_out_the_same_trees():
+    """Each rank picks its adaptive node count from its own clock; the scheduler runs rank
+    0's. Every rank must still verify the same trees, or masks, acceptance and KV compaction
+    differ across ranks."""
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(n_ranks=2, config=config)
+    rank0, rank1 = engine.drivers
+    rank0.budget.choose = lambda trees, prefill: 3  # rank 0 measured small trees to pay
+    rank1.budget.choose = lambda trees, prefill: 1  # rank 1's clock said otherwise
+    _add_all(engine, 30)
+    out = engine.run()  # the engine asserts every step that both ranks commit the same
+    assert out == _reference(engine.target, 30)
+    assert all(step[0] == step[1] for step in engine.plans if len(step) == 2)
+    assert rank0.stats["tree_requests"] == rank1.stats["tree_requests"] > 0
+
+
+def test_scheduled_drafts_that_are_not_the_proposal_verify_as_a_chain():
+    from vllm_recap.core.tree import DraftTree
+    from vllm_recap.vllm.layout import build_plan
+
+    tree = DraftTree(np.array([5, 6, 7, 8]), np.array([-1, 0, 0, 1]), np.ones(4))
+    plan = build_plan(["r", "s"], np.array([3, 3]), np.array([0, 3, 6]),
+                      {"r": [6, 7], "s": [0, 0]}, {"r": tree, "s": tree},
+                      np.array([10, 10]), np.array([4, 4]))
+    assert [t.batch_index for t in plan.trees] == [0]  # "r" scheduled a prefix of its tree
+    assert plan.parents[1].tolist() == [-1, 0, 1]  # "s": zeros are not its proposal

@@ -1,0 +1,322 @@
+"""The step driver: one engine step of RECAP, read top to bottom.
+
+    on_update_states  lifecycle: free finished / aborted / preempted requests, record new ones
+    begin_step        layout (which drafts are trees) -> node positions -> install the context
+    (forward)         attention backends read the context: tree masks, node K/V kept
+    sample            top-K rows + tree acceptance (in vLLM's layout) + KV compaction
+    propose           prompt rows -> observe + commit per request -> budget -> next drafts
+    end_step          clear the context (also when anything above raised)
+
+The driver implements :class:`~vllm_recap.vllm.hooks.RecapHooks`, the interface the runner
+seams call. It owns the step's :class:`~vllm_recap.vllm.context.StepContext` (installed in its
+:class:`~vllm_recap.vllm.context.StepScope` for exactly one step) and the request records;
+the engine-free algorithm lives in the :class:`~vllm_recap.core.drafter.Drafter`.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from vllm_recap.core.budget import BudgetController
+from vllm_recap.core.config import BudgetPolicy, RecapConfig
+from vllm_recap.core.drafter import Drafter
+from vllm_recap.core.tree import DraftTree
+from vllm_recap.patches.runner import verify_runner
+from vllm_recap.vllm.clock import StepClock
+from vllm_recap.vllm.context import StepContext, StepRows, StepScope
+from vllm_recap.vllm.eligibility import surely_finished, tree_unsupported_reason
+from vllm_recap.vllm.layout import build_plan, next_prefill_tokens, rewrite_positions
+from vllm_recap.vllm.metrics import TreeMetrics, log_idle
+from vllm_recap.vllm.records import RequestBook
+from vllm_recap.vllm.seeding import PromptSeeder
+from vllm_recap.vllm.verifier import (
+    accept_trees,
+    compact_kv,
+    node_tokens_of_rows,
+    topk_rows,
+    tree_argmax,
+)
+
+# What the driver reads from vLLM's model runner (checked once, at the first step).
+RUNNER_ATTRIBUTES = (
+    "input_batch.req_ids", "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu",
+    "input_batch.num_prompt_tokens", "input_batch.num_tokens_no_spec",
+    "input_batch.token_ids_cpu", "query_start_loc.np", "positions", "input_ids.cpu",
+    "requests", "uses_mrope",
+)
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    """Per-engine facts the driver needs besides the RECAP config.
+
+    Attributes:
+        num_spec_tokens: most draft tokens per request and step (vLLM's setting).
+        max_model_len: the model's length limit (no draft may cross it).
+        blocked: [V] bool, tokens never drafted or seeded (image/video placeholders).
+        tree_mode: verify trees if the engine can (False: every request gets its best path as
+            a chain).
+    """
+
+    num_spec_tokens: int
+    max_model_len: int
+    blocked: np.ndarray
+    tree_mode: bool
+
+
+def _clears_context(hook: Callable) -> Callable:
+    """A hook that raises leaves no step context behind."""
+
+    @functools.wraps(hook)
+    def run(self: StepDriver, *args, **kwargs):
+        try:
+            return hook(self, *args, **kwargs)
+        except BaseException:
+            self.scope.clear()
+            raise
+
+    return run
+
+
+class StepDriver:
+    """Sequences RECAP's hooks for one engine step (one driver per worker).
+
+    Args:
+        config: RECAP's knobs.
+        drafter: the engine-free drafter (memories, trees).
+        settings: engine facts.
+    """
+
+    def __init__(self, config: RecapConfig, drafter: Drafter, settings: DriverSettings) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.settings = settings
+        # Trees, or single paths for every request; the proposer switches trees off at model
+        # load when a layer cannot verify them (before the first step).
+        self.tree_mode = settings.tree_mode
+        self.scope = StepScope()
+        self.records = RequestBook(drafter)
+        self.clock = StepClock()
+        self.seeder = PromptSeeder(config.prompt_seed_rows, config.top_k, settings.blocked)
+        self.budget = BudgetController(settings.num_spec_tokens, config.depth_discounts)
+        self.adaptive = config.budget_policy is BudgetPolicy.ADAPTIVE
+        self.metrics = TreeMetrics()
+        self.stats = {"steps": 0, "tree_requests": 0, "kv_compactions": 0, "resynced": 0}
+        self.compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._checked_runner: Any = None
+        self._busy = False  # some request holds request-local state
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def check_runner(self, runner) -> None:
+        if runner is not self._checked_runner:
+            attrs = RUNNER_ATTRIBUTES + (("mrope_positions.gpu",) if runner.uses_mrope else ())
+            verify_runner(runner, attrs)
+            self._checked_runner = runner
+
+    @_clears_context
+    def on_update_states(self, runner, scheduler_output) -> None:
+        self.records.apply(scheduler_output)
+        self._note_idle()
+
+    def _note_idle(self) -> None:
+        """Logs once when the last request's state is gone (operators watch memory by it)."""
+        live = len(self.records) > 0 or self.drafter.num_requests > 0
+        if self._busy and not live:
+            log_idle(self.drafter.memory_stats())
+        self._busy = live
+
+    # -- layout ----------------------------------------------------------------------------
+
+    @_clears_context
+    def begin_step(self, runner, scheduler_output) -> None:
+        """Lays out the step after vLLM prepared its inputs; moves tree nodes' positions."""
+        t0 = time.perf_counter()
+        self.scope.clear()
+        batch = runner.input_batch
+        n = batch.num_reqs
+        req_ids = list(batch.req_ids[:n])
+        num_sched = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids],
+                             np.int64)
+        proposals = self.records.take_proposals(req_ids)
+        plan = build_plan(req_ids, num_sched, runner.query_start_loc.np[:n + 1],
+                          scheduler_output.scheduled_spec_decode_tokens, proposals,
+                          batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n])
+        rewrite_positions(runner.positions,
+                          runner.mrope_positions.gpu if runner.uses_mrope else None, plan)
+        ctx = StepContext(plan, proposals=proposals)
+        step = self.clock.step_started(int(num_sched.sum()))
+        if step is not None:
+            self.budget.observe_step(*step)
+        self.stats["steps"] += 1
+        self.stats["tree_requests"] += len(plan.trees)
+        ctx.timing.work += time.perf_counter() - t0
+        self.scope.install(ctx)
+
+    # -- verification ----------------------------------------------------------------------
+
+    @_clears_context
+    def sample(self, runner, original, logits: torch.Tensor, spec_decode_metadata) -> Any:
+        """vLLM's sampler, then tree acceptance over its output; keeps the step's rows."""
+        ctx = self.scope.current
+        if ctx is None or logits is None:
+            return original(logits, spec_decode_metadata)
+        plan = ctx.plan
+        got = (list(spec_decode_metadata.num_draft_tokens) if spec_decode_metadata is not None
+               else [0] * len(plan.req_ids))
+        if got != plan.num_drafts.tolist():
+            raise RuntimeError(f"vllm-recap step plan out of sync with vLLM: drafts {got} "
+                               f"scheduled, {plan.num_drafts.tolist()} planned")
+        t0 = time.perf_counter()
+        ids, probs = topk_rows(logits, self.config.top_k)
+        rows = StepRows(ids, probs, node_tokens_of_rows(plan, runner.input_ids.cpu))
+        argmax = tree_argmax(plan, logits)  # before vLLM's sampler may edit logits in place
+        t1 = time.perf_counter()
+        out = original(logits, spec_decode_metadata)
+        t2 = time.perf_counter()
+        if plan.trees:
+            ctx.accepted = accept_trees(plan, argmax, rows.node_tokens, out.sampled_token_ids)
+            self.stats["kv_compactions"] += compact_kv(ctx.kv_stash, ctx.accepted)
+        ctx.kv_stash.clear()
+        ctx.rows = rows
+        ctx.timing.work += (t1 - t0) + (time.perf_counter() - t2)
+        return out
+
+    def input_fits(self, runner, common_attn_metadata) -> bool:
+        """RECAP runs every step: it caps each request's drafts by its own room to
+        ``max_model_len`` (vLLM's rule stops drafting for the whole batch when any one
+        request is near the limit)."""
+        return common_attn_metadata is not None
+
+    # -- drafting --------------------------------------------------------------------------
+
+    @_clears_context
+    def propose(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
+                hidden_states: torch.Tensor) -> list[list[int]]:
+        """Feeds the step's rows to the drafter, commits accepted tokens, proposes drafts.
+
+        Returns:
+            [B] draft token lists in batch order (a flattened tree, parents first, or a chain).
+        """
+        ctx = self.scope.current
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        if ctx is None or ctx.rows is None:
+            return drafts
+        t0 = time.perf_counter()
+        self._seed_prompts(runner, ctx, hidden_states)
+        rooms = [self._advance(runner, ctx, i, sampled)
+                 for i, sampled in enumerate(sampled_token_ids)]
+        decoding = [i for i, room in enumerate(rooms) if room > 0]
+        cap = self._node_budget(len(decoding))
+        trees = {i: self._draft(runner, ctx.plan.req_ids[i], min(cap, rooms[i]), rooms[i])
+                 for i in decoding}
+        b = cap
+        if self.adaptive and trees:
+            b = self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan))
+        for i, tree in trees.items():
+            # Every rank records the same full tree; only the count sent to the scheduler
+            # (rank 0's, from its clock) is local, and the next layout cuts by what vLLM
+            # actually scheduled.
+            self.records.get(ctx.plan.req_ids[i]).proposal = tree
+            drafts[i] = tree.draft_tokens[:b].tolist()
+        self.metrics.maybe_log(len(self.records))
+        self._note_idle()
+        ctx.timing.work += time.perf_counter() - t0
+        self.clock.step_finished(ctx.timing)
+        return drafts
+
+    def end_step(self) -> None:
+        self.scope.clear()
+
+    # -- per request -----------------------------------------------------------------------
+
+    def _advance(self, runner, ctx: StepContext, i: int, sampled: list[int]) -> int:
+        """Observes this step's rows and commits its tokens for batch row ``i``.
+
+        Returns:
+            How many draft tokens the request may get next (0: none -- a prefill chunk, a
+            finished request, or one at the model's length limit).
+        """
+        if not sampled:
+            return 0
+        batch, plan = runner.input_batch, ctx.plan
+        req_id = plan.req_ids[i]
+        record = self.records.get(req_id)
+        n_tokens = int(batch.num_tokens_no_spec[i])
+        before = n_tokens - len(sampled)  # tokens committed before this step
+        self._catch_up(req_id, record, batch.token_ids_cpu[i], before)
+        s, e = plan.logits_starts[i], plan.logits_starts[i + 1]
+        rows = ctx.rows
+        parents = plan.parents[i]
+        self.drafter.observe(req_id, rows.node_tokens[s:e], parents, rows.ids[s:e],
+                             rows.probs[s:e])
+        accepted = len(sampled) - 1
+        if len(parents) > 1:
+            self.metrics.record(len(parents) - 1, int(self._depths(ctx, req_id, parents).max()),
+                                accepted)
+            tree = ctx.proposals.get(req_id)
+            if tree is not None:
+                n = len(parents)
+                self.budget.observe_tree(parents, tree.scores[:n], accepted, tree.depths[:n])
+        self.drafter.commit(req_id, sampled)
+        record.num_committed = n_tokens
+        params = getattr(runner.requests.get(req_id), "sampling_params", None)
+        if surely_finished(params, sampled, n_tokens - int(batch.num_prompt_tokens[i]),
+                           n_tokens, self.settings.max_model_len):
+            self.records.stop(req_id, keep_salt=False)
+            return 0
+        return min(self.settings.num_spec_tokens, self.settings.max_model_len - n_tokens - 1)
+
+    def _catch_up(self, req_id: str, record, tokens: np.ndarray, before: int) -> None:
+        """Brings the drafter's history to vLLM's ``tokens[:before]``.
+
+        The drafter misses tokens when vLLM skipped the proposer in a step (its rows are lost,
+        the tokens are not): those are committed here from vLLM's own history. A request the
+        drafter does not know yet (first decode step, or resumed after preemption) starts
+        from its whole history with the prompt rows collected during prefill.
+        """
+        if not self.drafter.has_request(req_id) or record.num_committed > before:
+            if self.drafter.has_request(req_id):
+                self.drafter.stop(req_id)
+            self.drafter.start(req_id, tokens[:before], record.seed.take(), record.salt)
+        elif record.num_committed < before:
+            self.drafter.commit(req_id, tokens[record.num_committed:before].tolist())
+            self.stats["resynced"] += 1
+        record.num_committed = before
+
+    def _draft(self, runner, req_id: str, node_budget: int, room: int) -> DraftTree:
+        """The request's full tree (``node_budget`` nodes plus the suffix path, at most
+        ``room`` drafts); its best chain alone for requests that cannot verify a tree."""
+        tree = self.drafter.propose(req_id, node_budget=node_budget)
+        params = getattr(runner.requests.get(req_id), "sampling_params", None)
+        if not self.tree_mode or tree_unsupported_reason(params) is not None:
+            tree = tree.truncate(1 + tree.chain_len)  # the best chain sits at 1..L
+        return tree.truncate(1 + room)
+
+    @staticmethod
+    def _depths(ctx: StepContext, req_id: str, parents: np.ndarray) -> np.ndarray:
+        tree = ctx.proposals.get(req_id)
+        if tree is not None:
+            return tree.depths[:len(parents)]
+        return np.arange(len(parents))  # a chain
+
+    def _node_budget(self, num_decoding: int) -> int:
+        """Per-request draft nodes: the configured budget, shrunk so the whole batch stays
+        within ``batch_node_budget`` (0 = no batch limit)."""
+        budget = self.config.node_budget
+        if self.config.batch_node_budget and num_decoding > 0:
+            budget = min(budget, self.config.batch_node_budget // num_decoding)
+        return max(0, budget)
+
+    def _seed_prompts(self, runner, ctx: StepContext, hidden_states: torch.Tensor) -> None:
+        if self.compute_logits is None:
+            return
+        t0 = time.perf_counter()
+        picks = self.seeder.choose(ctx.plan, runner.input_batch.token_ids_cpu, self.records)
+        self.seeder.seed(ctx.plan, picks, hidden_states, self.compute_logits, self.records)
+        ctx.timing.seeding += time.perf_counter() - t0

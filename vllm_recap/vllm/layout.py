@@ -1,0 +1,101 @@
+"""Laying out one step: which scheduled drafts form trees, and where their nodes sit.
+
+The scheduler treats every request's drafts as a chain and may cut them to a prefix. The
+proposer recorded the full tree it drafted; a scheduled draft list that is a prefix of that
+tree's draft tokens verifies as the tree's first nodes (parents come first, so every prefix is
+a tree). Anything else -- no recorded tree, or drafts that are not what was proposed -- verifies
+as a chain, which is always exact. That rule depends only on what vLLM scheduled, so every
+tensor-parallel rank lays the step out identically.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from vllm_recap.core.tree import DraftTree, ancestor_mask
+from vllm_recap.vllm.context import StepPlan, TreeSlot
+
+
+def chain_parents(n: int) -> np.ndarray:
+    """[n] parents of a single path: -1, 0, 1, ..., n-2."""
+    return np.arange(-1, n - 1, dtype=np.int64)
+
+
+def build_plan(req_ids: Sequence[str], num_scheduled: np.ndarray, query_starts: np.ndarray,
+               scheduled_drafts: Mapping[str, Sequence[int]],
+               proposals: Mapping[str, DraftTree], num_computed: np.ndarray,
+               num_prompt: np.ndarray) -> StepPlan:
+    """Lays out one step from the scheduler's drafts and the trees the proposer recorded.
+
+    Args:
+        req_ids: [B] request ids in batch order.
+        num_scheduled: [B] scheduled tokens per request.
+        query_starts: [B + 1] flat-batch offsets.
+        scheduled_drafts: request id -> draft tokens scheduled this step (absent = none).
+        proposals: request id -> the full tree proposed for this step (absent = none).
+        num_computed: [B] tokens in the KV cache before this step.
+        num_prompt: [B] prompt lengths.
+    """
+    num_drafts = np.zeros(len(req_ids), np.int64)
+    parents: list[np.ndarray] = []
+    trees: list[TreeSlot] = []
+    for i, req_id in enumerate(req_ids):
+        drafts = scheduled_drafts.get(req_id, ())
+        n = 1 + len(drafts)
+        num_drafts[i] = len(drafts)
+        tree = proposals.get(req_id)
+        if tree is None or not _is_prefix(drafts, tree):
+            parents.append(chain_parents(n))
+            continue
+        p = tree.parents[:n]
+        parents.append(p)
+        if n > 2 and not np.array_equal(p, chain_parents(n)):
+            trees.append(TreeSlot(i, int(query_starts[i]), p, tree.depths[:n], ancestor_mask(p)))
+    return StepPlan(list(req_ids), np.asarray(num_scheduled, np.int64),
+                    np.asarray(query_starts, np.int64), num_drafts, parents, trees,
+                    np.asarray(num_computed, np.int64), np.asarray(num_prompt, np.int64))
+
+
+def _is_prefix(drafts: Sequence[int], tree: DraftTree) -> bool:
+    n = len(drafts)
+    return n <= tree.num_drafts and np.array_equal(np.asarray(drafts, np.int64),
+                                                   tree.tokens[1:1 + n])
+
+
+def rewrite_positions(positions: torch.Tensor, mrope_positions: torch.Tensor | None,
+                      plan: StepPlan) -> None:
+    """Tree node i gets rotary position (root position + depth_i), not root position + i.
+
+    Slots (the slot mapping, already computed by vLLM) stay linear: each node keeps its own
+    KV slot. M-RoPE models read ``mrope_positions``; tree nodes are text tokens, so all its
+    sections move by the depth. The index arrays are built on the host and copied to the
+    position tensors' device once, so this works on any device.
+
+    Args:
+        positions: [T] the runner's rotary positions (any device), modified in place.
+        mrope_positions: [3, >= T] M-RoPE positions or None, modified in place.
+        plan: the step layout (only tree requests move).
+    """
+    if not plan.trees:
+        return
+    rows = np.concatenate([t.query_start + np.arange(t.num_nodes) for t in plan.trees])
+    roots = np.concatenate([np.full(t.num_nodes, t.query_start) for t in plan.trees])
+    depths = np.concatenate([t.depths for t in plan.trees])
+    host = torch.from_numpy(np.stack([rows, roots, depths]).astype(np.int64))
+    for target in (positions, mrope_positions):
+        if target is None:
+            continue
+        rows_d, roots_d, depths_d = host.to(target.device, non_blocking=True)
+        target[..., rows_d] = target[..., roots_d] + depths_d.to(target.dtype)
+
+
+def next_prefill_tokens(plan: StepPlan) -> int:
+    """Prompt tokens the next step will likely run besides the decodes: what is left of the
+    prompts still being prefilled, at most this step's prefill chunk (the scheduler's token
+    budget keeps chunks about that size). Arrivals in the next step cannot be known."""
+    done = plan.num_computed + plan.num_scheduled
+    partial = plan.num_computed < plan.num_prompt
+    left = int(np.maximum(plan.num_prompt - done, 0)[partial].sum())
+    return min(left, int(plan.num_scheduled[partial].sum()))

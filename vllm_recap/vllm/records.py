@@ -1,0 +1,123 @@
+"""What the adapter keeps per request between engine steps, and its lifecycle.
+
+The drafter (``vllm_recap.core``) owns a request's memories and history; this module owns the
+vLLM-side facts around it: the request's cache salt, the tree proposed for its next step,
+prompt rows collected during prefill, and how many tokens the drafter's history holds (so a
+step in which vLLM did not call the proposer is caught up from vLLM's own token history).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_recap.core.drafter import Drafter
+from vllm_recap.core.tree import DraftTree
+
+
+@dataclass
+class PromptSeed:
+    """Top-K rows of prompt positions, collected chunk by chunk during prefill.
+
+    Attributes:
+        seen: sorted int64 distinct prompt tokens already chosen (first occurrence only).
+        num_rows: rows chosen so far (capped by ``prompt_seed_rows``).
+        positions, ids, probs: per prefill chunk, [m] positions, [m, K] ids, [m, K] probs.
+    """
+
+    seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    num_rows: int = 0
+    positions: list[np.ndarray] = field(default_factory=list)
+    ids: list[np.ndarray] = field(default_factory=list)
+    probs: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, positions: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> None:
+        self.positions.append(positions)
+        self.ids.append(ids)
+        self.probs.append(probs)
+
+    def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(ids [m, K], probs [m, K], positions [m]) for ``Drafter.start``, once; then None."""
+        if not self.positions:
+            return None
+        rows = (np.concatenate(self.ids), np.concatenate(self.probs),
+                np.concatenate(self.positions))
+        self.positions, self.ids, self.probs = [], [], []
+        return rows
+
+
+@dataclass
+class RequestRecord:
+    """Adapter state of one request.
+
+    Attributes:
+        salt: vLLM's ``cache_salt`` (persistent-memory partition), None if unsalted.
+        proposal: the full tree proposed for the request's next step (the scheduler gets a
+            prefix of its drafts); consumed when that step is laid out.
+        num_committed: tokens in the drafter's history (0 before the drafter started it).
+        seed: prompt rows waiting for the drafter to start the request.
+    """
+
+    salt: str | None = None
+    proposal: DraftTree | None = None
+    num_committed: int = 0
+    seed: PromptSeed = field(default_factory=PromptSeed)
+
+
+class RequestBook:
+    """Request records plus the drafter's lifecycle, driven by vLLM's scheduler output.
+
+    Finished and aborted requests are forgotten; preempted ones keep only their salt (they are
+    prefilled again when resumed, and their memories restart then); a new request whose id was
+    seen before starts afresh.
+    """
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self._records: dict[str, RequestRecord] = {}
+
+    def apply(self, scheduler_output) -> None:
+        """Lifecycle of one scheduler step (``finished_req_ids``, preemptions, new requests)."""
+        finished = set(scheduler_output.finished_req_ids)
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+        for req_id in finished:
+            self.stop(req_id, keep_salt=False)
+        for req_id in (preempted | resumed) - finished:
+            self.stop(req_id, keep_salt=True)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.stop(new.req_id, keep_salt=False)
+            self._records[new.req_id] = RequestRecord(salt=getattr(new, "recap_cache_salt", None))
+
+    def get(self, req_id: str) -> RequestRecord:
+        """The request's record (created empty for a request first seen mid-flight)."""
+        record = self._records.get(req_id)
+        if record is None:
+            record = self._records[req_id] = RequestRecord()
+        return record
+
+    def stop(self, req_id: str, keep_salt: bool) -> None:
+        """Frees the request's drafter state and record (keeping its salt if asked)."""
+        if self.drafter.has_request(req_id):
+            self.drafter.stop(req_id)
+        old = self._records.pop(req_id, None)
+        if keep_salt and old is not None:
+            self._records[req_id] = RequestRecord(salt=old.salt)
+
+    def take_proposals(self, req_ids: Iterable[str]) -> dict[str, DraftTree]:
+        """Pops the proposals of these requests: a proposal is valid for one step only."""
+        out = {}
+        for req_id in req_ids:
+            record = self._records.get(req_id)
+            if record is not None and record.proposal is not None:
+                out[req_id] = record.proposal
+                record.proposal = None
+        return out
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._records
