@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from vllm_recap.core.budget import AcceptanceCalibration, BudgetController, StepCostModel
-from vllm_recap.core.config import MAX_DEPTH
+from vllm_recap.core.config import MAX_DEPTH, RecapConfig
 from vllm_recap.core.tree import DraftTree
 
 pytestmark = pytest.mark.unit
@@ -69,8 +69,8 @@ def test_observe_tree_derives_depths_when_not_given():
     given, derived = BudgetController(8, DISCOUNTS), BudgetController(8, DISCOUNTS)
     given.observe_tree(tree.parents, tree.scores, 2, tree.depths)
     derived.observe_tree(tree.parents, tree.scores, 2)
-    np.testing.assert_array_equal(given.calibration.mass, derived.calibration.mass)
-    assert given.calibration.mass[1:3].tolist() == pytest.approx([0.9, 0.5])
+    np.testing.assert_array_equal(given.calibration().mass, derived.calibration().mass)
+    assert given.calibration().mass[1:3].tolist() == pytest.approx([0.9, 0.5])
 
 
 def _controller_after(costs: dict[int, float], accept: float, steps: int = 40) -> BudgetController:
@@ -81,7 +81,7 @@ def _controller_after(costs: dict[int, float], accept: float, steps: int = 40) -
     depths = np.arange(17)
     for _ in range(steps):
         accepted = int(np.sum(np.cumprod(np.full(16, accept)) > 0.5))
-        ctl.calibration.observe(depths, tree.scores, accepted)
+        ctl.calibration().observe(depths, tree.scores, accepted)
     return ctl
 
 
@@ -168,3 +168,15 @@ def test_drafting_must_beat_plain_decoding_by_the_margin():
     ctl.observe_step(1, 0.100)
     ctl.observe_step(2, 0.100 * (1 + gain) / (DRAFT_MARGIN + 0.01))
     assert ctl.choose([tree], fixed_tokens=0) == 1
+
+
+def test_sampled_and_greedy_acceptance_are_calibrated_apart() -> None:
+    """A sampled request accepts less for the same builder scores than a greedy one: its
+    trees must be sized by its own calibration, not the greedy traffic's."""
+    ctl = BudgetController(16, RecapConfig().depth_discounts)
+    tree = DraftTree(np.array([0, 1, 2, 3]), np.array([-1, 0, 1, 2]), np.array([1.0, .5, .3, .2]))
+    for _ in range(200):
+        ctl.observe_tree(tree.parents, tree.scores, 3, tree.depths, kind="greedy")
+        ctl.observe_tree(tree.parents, tree.scores, 0, tree.depths, kind="sampled")
+    greedy, sampled = ctl.expected_gains(tree, "greedy"), ctl.expected_gains(tree, "sampled")
+    assert greedy[-1] > 2.5 and sampled[-1] < 0.5

@@ -88,15 +88,27 @@ def vl_batch(tiny_qwen2_vl):
     return batch, processor.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>"])
 
 
+def _vl_params(setting: str):
+    """Plain greedy, or Qwen2.5-VL's recommended settings (its generation_config.json, which
+    `vllm serve` applies by default): greedy-equivalent (top_k 1) with a repetition penalty."""
+    from vllm import SamplingParams
+
+    if setting == "greedy":
+        return _params(24)
+    return SamplingParams(temperature=0.1, top_k=1, top_p=0.001, repetition_penalty=1.05,
+                          max_tokens=24, ignore_eos=True)
+
+
 @pytest.fixture(scope="module")
 def vl_reference(tiny_qwen2_vl, vl_batch):
     with make_llm(tiny_qwen2_vl, limit_mm_per_prompt={"image": 1, "video": 0}) as llm:
-        return generate_ids(llm, vl_batch[0], _params(24))
+        return {s: generate_ids(llm, vl_batch[0], _vl_params(s)) for s in ("greedy", "qwen_vl")}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,setting", [("tree", "greedy"), ("chain", "greedy"),
+                                          ("tree", "qwen_vl")])
 def test_tiny_vl_batch_of_images_identical(tiny_qwen2_vl, vl_batch, vl_reference, mode,
-                                           monkeypatch):
+                                           setting, monkeypatch):
     from vllm_recap.core.drafter import Drafter
 
     proposed = []
@@ -111,7 +123,7 @@ def test_tiny_vl_batch_of_images_identical(tiny_qwen2_vl, vl_batch, vl_reference
     spec = SPECS[mode]
     with make_llm(tiny_qwen2_vl, limit_mm_per_prompt={"image": 1, "video": 0},
                   speculative_config=spec) as llm:
-        assert generate_ids(llm, vl_batch[0], _params(24)) == vl_reference
+        assert generate_ids(llm, vl_batch[0], _vl_params(setting)) == vl_reference[setting]
         proposer = recap_proposer(llm)
         assert set(vl_batch[1]) <= set(proposer.blocked)
         trees = proposer.stats["tree_requests"]

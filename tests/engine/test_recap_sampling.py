@@ -1,9 +1,12 @@
-"""Sampled requests (temperature > 0) keep the target's distribution under RECAP.
+"""Trees for real traffic: sampled and penalised requests under RECAP.
 
-They get single-path drafts verified by vLLM's rejection sampler, which is lossless in
-distribution. A two-sample chi-square test per output position compares 400 samples with and
-without RECAP (same engine seed, so the test is repeatable); drafts must actually have been
-accepted for the test to mean anything.
+- Greedy-equivalent requests with penalties, min_tokens, bad words, allowed ids, or
+  Qwen2.5-VL's recommended settings verify whole trees and stay token-identical (float32).
+- Logprobs of tree-verified requests match plain decoding.
+- Sampled requests walk the tree by sampling (lossless): the joint distribution of the first
+  tokens equals plain sampling's, by a chi-square test whose power is shown in the same file
+  (a deliberately wrong sampler fails it).
+- Seeded sampled requests repeat themselves run to run.
 """
 from __future__ import annotations
 
@@ -11,8 +14,11 @@ import collections
 
 import pytest
 
+import numpy as np
+
 from benchmarks.harness import spec_counters
 from tests.conftest import make_llm
+from tests.engine.recap_support import generate_ids, recap_proposer
 
 
 N = 400
@@ -54,23 +60,178 @@ def test_chi2_critical_values_match_tables():
         assert abs(chi2_critical_999(dof) - table) / table < 0.02
 
 
+
+TREES = {"method": "recap", "budget_policy": "fixed", "node_budget": 12, "batch_node_budget": 0}
+QWEN_VL = dict(temperature=0.1, top_k=1, top_p=0.001, repetition_penalty=1.05)
+
+
+def _settings(tok) -> dict[str, dict]:
+    """Greedy-equivalent settings whose per-position processing the tree path must reproduce."""
+    the = tok.encode(" the", add_special_tokens=False)
+    allowed = list(range(200, 1200)) + tok.encode(" the of and to a in is", add_special_tokens=False)
+    return {
+        "repetition": dict(temperature=0, repetition_penalty=1.3),
+        "presence": dict(temperature=0, presence_penalty=1.0),
+        "frequency": dict(temperature=0, frequency_penalty=0.8),
+        "all_penalties": dict(temperature=0, repetition_penalty=1.2, presence_penalty=0.5,
+                              frequency_penalty=0.5),
+        "min_tokens": dict(temperature=0, min_tokens=40),
+        "bad_words": dict(temperature=0, bad_words=[" the", " of the", " is a"]),
+        "allowed_ids": dict(temperature=0, allowed_token_ids=allowed),
+        "qwen_vl_defaults": dict(QWEN_VL),
+        "top_k_1": dict(temperature=0.7, top_k=1),
+    }, the
+
+
 @pytest.mark.engine
-def test_sampled_outputs_keep_the_target_distribution(tiny_qwen2):
+def test_greedy_equivalent_processed_requests_verify_trees_identically(smollm2):
+    """One mixed batch: every setting x 2 Spec-Bench prompts, each request its own params."""
+    from transformers import AutoTokenizer
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0.15, max_tokens=5, ignore_eos=True)
-    prompt = TokensPrompt(prompt_token_ids=[1, 2, 3, 4, 5])
-    samples = {}
-    # batch_node_budget 0: all 400 requests draft (the load policy would otherwise stop drafts)
-    for name, spec in (("plain", None), ("recap", {"method": "recap", "batch_node_budget": 0})):
-        with make_llm(tiny_qwen2, speculative_config=spec) as llm:
-            samples[name] = [list(o.outputs[0].token_ids)
-                             for o in llm.generate([prompt] * N, params, use_tqdm=False)]
-            if spec is not None:
-                counters = spec_counters(llm)
-    assert counters["accepted_tokens"] > 100, "too few accepted drafts to test anything"
-    for pos in range(1, 5):
-        stat, dof = homogeneity_chi2([s[pos] for s in samples["plain"]],
-                                     [s[pos] for s in samples["recap"]])
-        assert dof >= 1
-        assert stat < chi2_critical_999(dof), f"position {pos}: chi2 {stat:.1f} with {dof} dof"
+    from benchmarks.workloads import spec_bench_prompts
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [p.token_ids for p in spec_bench_prompts(tok, 1, ["qa", "writing"],
+                                                       max_prompt_tokens=300)]
+    settings, _ = _settings(tok)
+    batch, params = [], []
+    for kw in settings.values():
+        for prompt in prompts:
+            batch.append(TokensPrompt(prompt_token_ids=prompt))
+            params.append(SamplingParams(max_tokens=48, **kw))
+
+    def run(spec):
+        with make_llm(smollm2, speculative_config=spec) as llm:
+            outs = [list(o.outputs[0].token_ids)
+                    for o in llm.generate(batch, params, use_tqdm=False)]
+            return outs, (dict(recap_proposer(llm).stats) if spec else None)
+
+    reference, _ = run(None)
+    out, stats = run(TREES)
+    names = [n for n in settings for _ in prompts]
+    wrong = [names[i] for i, (a, b) in enumerate(zip(out, reference)) if a != b]
+    assert not wrong, f"differs from plain decoding: {wrong}"
+    assert stats["tree_requests"] > 0 and stats["off_chain_accepts"] > 0, stats
+    bad = settings["bad_words"]["bad_words"]
+    text = tok.decode(reference[names.index("bad_words")])
+    assert not any(w in text for w in bad[1:]), "bad words were not applied at all"
+
+
+@pytest.mark.engine
+def test_logprobs_of_tree_verified_requests_match_plain_decoding(smollm2):
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams, TokensPrompt
+
+    from benchmarks.workloads import spec_bench_prompts
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [TokensPrompt(prompt_token_ids=p.token_ids) for p in
+               spec_bench_prompts(tok, 1, ["extraction", "math"], max_prompt_tokens=300)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
+
+    def run(spec):
+        with make_llm(smollm2, speculative_config=spec) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            trees = recap_proposer(llm).stats["tree_requests"] if spec else None
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs], trees
+
+    reference, _ = run(None)
+    out, trees = run(TREES)
+    assert trees > 0
+    for (ids, lps), (ref_ids, ref_lps) in zip(out, reference):
+        assert ids == ref_ids
+        for pos, (got, want) in enumerate(zip(lps, ref_lps)):
+            assert set(got) == set(want), f"position {pos}: top ids {set(got)} != {set(want)}"
+            for token, lp in want.items():
+                assert got[token].rank == lp.rank
+                # the tree pass reduces in another order than one-token decoding: ulps differ
+                assert abs(got[token].logprob - lp.logprob) < 1e-4, (pos, token)
+
+
+ALLOWED = [300, 301, 302]
+
+
+def _full_tree(root: int, depth: int = 2):
+    """Every allowed token under every node: a sampled walk can always go deeper."""
+    from vllm_recap.core.tree import DraftTree
+
+    tokens, parents, frontier = [root], [-1], [0]
+    for _ in range(depth):
+        nxt = []
+        for p in frontier:
+            for t in ALLOWED:
+                tokens.append(t)
+                parents.append(p)
+                nxt.append(len(tokens) - 1)
+        frontier = nxt
+    n = len(tokens)
+    return DraftTree(np.array(tokens), np.array(parents), np.linspace(1.0, 0.1, n))
+
+
+N_SAMPLES = 1000
+
+
+def _joint_samples(tiny_qwen2, spec, monkeypatch=None, wrong=False):
+    from vllm import SamplingParams, TokensPrompt
+
+    from vllm_recap.core.drafter import Drafter
+    from vllm_recap.vllm import tree_walk
+
+    if spec is not None:
+        original_propose = Drafter.propose
+
+        def propose(self, req_id, node_budget=None, max_depth=None):
+            if req_id == "warmup":  # the drafter's own warm-up at engine start
+                return original_propose(self, req_id, node_budget, max_depth)
+            return _full_tree(self.history(req_id)[-1])
+
+        monkeypatch.setattr(Drafter, "propose", propose)
+    if wrong:  # a deliberately wrong sampler: draws from p^2 instead of p
+        original = tree_walk._draw
+        monkeypatch.setattr(tree_walk, "_draw", lambda probs, groups: original(
+            probs.pow(2) / probs.pow(2).sum(-1, keepdim=True), groups))
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True,
+                            allowed_token_ids=ALLOWED)
+    prompt = TokensPrompt(prompt_token_ids=[11, 12, 13, 14, 15])
+    with make_llm(tiny_qwen2, speculative_config=spec, max_model_len=64) as llm:
+        outs = [tuple(o.outputs[0].token_ids)
+                for o in llm.generate([prompt] * N_SAMPLES, params, use_tqdm=False)]
+        counters = spec_counters(llm) if spec is not None else None
+    return outs, counters
+
+
+@pytest.mark.engine
+def test_tree_sampling_keeps_the_joint_distribution_and_the_test_has_power(tiny_qwen2,
+                                                                          monkeypatch):
+    """Temperature 1 over three allowed tokens (a spread distribution), full 3-ary trees of
+    depth 2: the first three tokens' joint distribution (27 outcomes) under RECAP's tree walk
+    equals plain sampling's (chi-square, alpha = 0.001); the same test rejects a sampler that
+    draws from p^2."""
+    plain, _ = _joint_samples(tiny_qwen2, None)
+    spread = collections.Counter(t[1] for t in plain)
+    assert len(spread) == 3 and max(spread.values()) < 0.7 * N_SAMPLES, spread
+    recap, counters = _joint_samples(tiny_qwen2, TREES, monkeypatch)
+    assert counters["accepted_tokens"] > N_SAMPLES, "the walk must go deep to test anything"
+    stat, dof = homogeneity_chi2(plain, recap)
+    assert stat < chi2_critical_999(dof), f"joint of 3 tokens: chi2 {stat:.1f} with {dof} dof"
+    wrong, _ = _joint_samples(tiny_qwen2, TREES, monkeypatch, wrong=True)
+    stat_wrong, dof_wrong = homogeneity_chi2(plain, wrong)
+    assert stat_wrong > chi2_critical_999(dof_wrong), (
+        f"no power: a p^2 sampler passes (chi2 {stat_wrong:.1f}, {dof_wrong} dof)")
+
+
+@pytest.mark.engine
+def test_seeded_sampled_requests_repeat_with_trees(smollm2):
+    from vllm import SamplingParams
+
+    prompts = ["Tell me a story about a cat.", "List three colours."]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=40,
+                             ignore_eos=True) for i in range(2)]
+    runs = []
+    for _ in range(2):
+        with make_llm(smollm2, speculative_config=TREES) as llm:
+            runs.append([list(o.outputs[0].token_ids)
+                         for o in llm.generate(prompts, params, use_tqdm=False)])
+            trees = recap_proposer(llm).stats["tree_requests"]
+    assert runs[0] == runs[1] and trees > 0

@@ -67,15 +67,32 @@ class Params:
     """The SamplingParams fields the driver reads, as a struct with defaults (importing vLLM's
     own class costs seconds; the engine tests use the real one)."""
 
-    __struct_fields__ = ("temperature", "ignore_eos", "max_tokens", "min_tokens",
-                         "stop_token_ids")
+    __struct_fields__ = ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                         "frequency_penalty", "repetition_penalty", "ignore_eos", "max_tokens",
+                         "min_tokens", "stop_token_ids", "logit_bias", "allowed_token_ids",
+                         "bad_words", "logprobs")
 
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    logit_bias: dict | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    logprobs: int | None = None
     eos_token_id: int | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return set(self.stop_token_ids)
 
 
 def greedy_params(**kw) -> Params:
@@ -257,8 +274,12 @@ class FakeEngine:
             mrope_positions=SimpleNamespace(gpu=None if mrope is None else mrope.to(self.device)),
             uses_mrope=self.uses_mrope,
             input_ids=SimpleNamespace(cpu=torch.tensor(flat, dtype=torch.int32)),
-            requests={r: SimpleNamespace(sampling_params=self.requests[r].params)
+            requests={r: SimpleNamespace(sampling_params=self.requests[r].params,
+                                         prompt_token_ids=self.requests[r].prompt,
+                                         output_token_ids=self.requests[r].output,
+                                         generator=None)
                       for r in req_ids},
+            model_config=SimpleNamespace(logprobs_mode="raw_logprobs"),
             num_sched=num_sched, flat_contexts=None)
 
     @staticmethod
@@ -328,7 +349,7 @@ class FakeEngine:
                 k += 1
             out[i, k] = int(argmax[row + k])
             row += d + 1
-        return SimpleNamespace(sampled_token_ids=out)
+        return SimpleNamespace(sampled_token_ids=out, logprobs_tensors=None)
 
     def _valid(self, runner, sampled: torch.Tensor) -> list[list[int]]:
         lists = []

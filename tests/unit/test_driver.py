@@ -183,8 +183,8 @@ def test_tensor_parallel_ranks_with_different_clocks_lay_out_the_same_trees():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(n_ranks=2, config=config)
     rank0, rank1 = engine.drivers
-    rank0.budget.choose = lambda trees, prefill: 3  # rank 0 measured small trees to pay
-    rank1.budget.choose = lambda trees, prefill: 1  # rank 1's clock said otherwise
+    rank0.budget.choose = lambda trees, prefill, kinds=None: 3  # rank 0: small trees pay
+    rank1.budget.choose = lambda trees, prefill, kinds=None: 1  # rank 1: its clock says no
     _add_all(engine, 30)
     out = engine.run()  # the engine asserts every step that both ranks commit the same
     assert out == _reference(engine.target, 30)

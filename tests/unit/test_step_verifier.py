@@ -1,6 +1,8 @@
 """Step layout, greedy tree acceptance in vLLM's layout, and KV compaction moves."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -8,13 +10,9 @@ import torch
 from vllm_recap.core.tree import DraftTree
 from vllm_recap.vllm.context import StashedKV
 from vllm_recap.vllm.layout import build_plan, chain_parents, next_prefill_tokens
-from vllm_recap.vllm.verifier import (
-    accept_trees,
-    compact_kv,
-    node_tokens_of_rows,
-    topk_rows,
-    tree_argmax,
-)
+from tests.unit.fake_engine import greedy_params
+from vllm_recap.vllm.tree_verify import prepare, write
+from vllm_recap.vllm.verifier import compact_kv, node_tokens_of_rows, topk_rows
 
 pytestmark = pytest.mark.unit
 
@@ -77,26 +75,38 @@ def _logits_for(argmax_rows: list[int], vocab: int = 32) -> torch.Tensor:
     return logits
 
 
+def _runner(plan, params=None):
+    """What tree verification reads from vLLM's runner: each request's sampling state."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(requests={r: SimpleNamespace(
+        sampling_params=params or greedy_params(), prompt_token_ids=[1, 2, 3],
+        output_token_ids=[7], generator=None) for r in plan.req_ids})
+
+
+def _verify(plan, argmax_rows, sampled):
+    node_tokens = np.array([7, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22])
+    logits = _logits_for(argmax_rows)
+    ver = prepare(plan, logits, node_tokens, _runner(plan), keep_rows=False)
+    out = SimpleNamespace(sampled_token_ids=sampled, logprobs_tensors=None)
+    write(ver, plan, out, "raw_logprobs")
+    return ver.accepted(plan)
+
+
 def test_tree_acceptance_follows_argmax_and_writes_vllm_layout():
     plan = _plan()
     # node tokens per logits row: r0 [last prompt tok], r1 [root, 11..16], r2 [root, 21, 22]
-    node_tokens = np.array([7, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22])
     # r1: root -> 13 (node 3), node 3 -> 16 (node 6), node 6 -> bonus 30
-    argmax = [0, 13, 0, 0, 16, 0, 0, 30, 21, 22, 5]
-    logits = _logits_for(argmax)
     sampled = torch.full((3, 7), 99, dtype=torch.int32)  # what vLLM's sampler returned
-    accepted = accept_trees(plan, tree_argmax(plan, logits), node_tokens, sampled)
+    accepted = _verify(plan, [0, 13, 0, 0, 16, 0, 0, 30, 21, 22, 5], sampled)
     assert accepted[1].tolist() == [3, 6]
     assert sampled[1].tolist() == [13, 16, 30, -1, -1, -1, -1]
     assert sampled[0].tolist() == [99] * 7 and sampled[2].tolist() == [99] * 7  # untouched
 
 
 def test_no_match_gives_bonus_only():
-    plan = _plan()
-    node_tokens = np.array([7, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22])
-    logits = _logits_for([0, 31, 0, 0, 0, 0, 0, 0, 0, 0, 0])
     sampled = torch.zeros((3, 7), dtype=torch.int32)
-    accepted = accept_trees(plan, tree_argmax(plan, logits), node_tokens, sampled)
+    accepted = _verify(_plan(), [0, 31, 0, 0, 0, 0, 0, 0, 0, 0, 0], sampled)
     assert accepted[1].tolist() == [] and sampled[1].tolist() == [31, -1, -1, -1, -1, -1, -1]
 
 

@@ -160,28 +160,43 @@ class BudgetController:
     def __init__(self, max_budget: int, depth_discounts: tuple[float, ...]) -> None:
         self.levels = sorted({b for b in LEVELS if b <= max_budget} | {max_budget})
         self.cost = StepCostModel()
-        self.calibration = AcceptanceCalibration(depth_discounts)
+        self._discounts = depth_discounts
+        # One calibration per acceptance rule: a sampled request goes deeper with the target
+        # probability of the drafted children, a greedy one only when a child is the argmax,
+        # so the same builder score is worth less under sampling (and it depends on the
+        # temperature mix of the traffic, which the online calibration follows).
+        self.calibrations: dict[str, AcceptanceCalibration] = {}
         self.last_choice = 0
 
-    def expected_gains(self, tree: DraftTree) -> np.ndarray:
+    def calibration(self, kind: str = "greedy") -> AcceptanceCalibration:
+        """The calibration of one acceptance rule ("greedy" or "sampled")."""
+        cal = self.calibrations.get(kind)
+        if cal is None:
+            cal = self.calibrations[kind] = AcceptanceCalibration(self._discounts)
+        return cal
+
+    def expected_gains(self, tree: DraftTree, kind: str = "greedy") -> np.ndarray:
         """[n] cumulative expected accepted tokens when verifying the first k nodes (k = index)."""
-        p = self.calibration.node_probabilities(tree.depths, tree.parents, tree.scores)
+        p = self.calibration(kind).node_probabilities(tree.depths, tree.parents, tree.scores)
         p[0] = 0.0
         return np.cumsum(p)
 
-    def choose(self, trees: list[DraftTree], fixed_tokens: int) -> int:
+    def choose(self, trees: list[DraftTree], fixed_tokens: int,
+               kinds: list[str] | None = None) -> int:
         """Per-request node count for this step.
 
         Args:
             trees: the proposed trees of the decoding requests (full budget).
             fixed_tokens: tokens the step runs regardless (prefill chunks of other requests).
+            kinds: per tree, its acceptance rule ("greedy" default, or "sampled").
 
         Returns:
             b: verify the first b draft nodes of every tree (fewer if a tree is smaller).
         """
         if not trees:
             return 0
-        gains = [self.expected_gains(t) for t in trees]
+        kinds = kinds or ["greedy"] * len(trees)
+        gains = [self.expected_gains(t, k) for t, k in zip(trees, kinds)]
         sizes = np.array([t.num_drafts for t in trees])
         base_tokens = fixed_tokens + len(trees)
         candidates = []  # (level, tokens, rate)
@@ -221,11 +236,11 @@ class BudgetController:
         self.cost.observe(num_tokens, seconds)
 
     def observe_tree(self, parents: np.ndarray, scores: np.ndarray, num_accepted: int,
-                     depths: np.ndarray | None = None) -> None:
+                     depths: np.ndarray | None = None, kind: str = "greedy") -> None:
         """One verified tree: parents/scores/depths [n] of the verified nodes (root included;
-        ``depths`` as `DraftTree.depths`, derived with `tree_depths` when not given) and the
-        draft tokens accepted."""
+        ``depths`` as `DraftTree.depths`, derived with `tree_depths` when not given), the
+        draft tokens accepted, and the acceptance rule it was verified by."""
         if len(parents) > 1:
             if depths is None:
                 depths = tree_depths(parents)
-            self.calibration.observe(depths, scores, num_accepted)
+            self.calibration(kind).observe(depths, scores, num_accepted)

@@ -29,25 +29,21 @@ from vllm_recap.core.tree import DraftTree
 from vllm_recap.patches.runner import verify_runner
 from vllm_recap.vllm.clock import StepClock
 from vllm_recap.vllm.context import StepContext, StepRows, StepScope
-from vllm_recap.vllm.eligibility import surely_finished, tree_unsupported_reason
+from vllm_recap.vllm.eligibility import greedy_equivalent, surely_finished, tree_unsupported_reason
 from vllm_recap.vllm.layout import build_plan, next_prefill_tokens, rewrite_positions
 from vllm_recap.vllm.metrics import TreeMetrics, log_idle
 from vllm_recap.vllm.records import RequestBook
 from vllm_recap.vllm.seeding import PromptSeeder
-from vllm_recap.vllm.verifier import (
-    accept_trees,
-    compact_kv,
-    node_tokens_of_rows,
-    topk_rows,
-    tree_argmax,
-)
+from vllm_recap.vllm.tree_verify import prepare as prepare_trees
+from vllm_recap.vllm.tree_verify import write as write_trees
+from vllm_recap.vllm.verifier import compact_kv, node_tokens_of_rows, topk_rows
 
 # What the driver reads from vLLM's model runner (checked once, at the first step).
 RUNNER_ATTRIBUTES = (
     "input_batch.req_ids", "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu",
     "input_batch.num_prompt_tokens", "input_batch.num_tokens_no_spec",
     "input_batch.token_ids_cpu", "query_start_loc.np", "positions", "input_ids.cpu",
-    "requests", "uses_mrope",
+    "requests", "uses_mrope", "model_config.logprobs_mode",
 )
 
 
@@ -106,7 +102,8 @@ class StepDriver:
         self.budget = BudgetController(settings.num_spec_tokens, config.depth_discounts)
         self.adaptive = config.budget_policy is BudgetPolicy.ADAPTIVE
         self.metrics = TreeMetrics()
-        self.stats = {"steps": 0, "tree_requests": 0, "kv_compactions": 0, "resynced": 0}
+        self.stats = {"steps": 0, "tree_requests": 0, "off_chain_accepts": 0,
+                      "kv_compactions": 0, "resynced": 0}
         self.compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._checked_runner: Any = None
         self._busy = False  # some request holds request-local state
@@ -175,17 +172,28 @@ class StepDriver:
         t0 = time.perf_counter()
         ids, probs = topk_rows(logits, self.config.top_k)
         rows = StepRows(ids, probs, node_tokens_of_rows(plan, runner.input_ids.cpu))
-        argmax = tree_argmax(plan, logits)  # before vLLM's sampler may edit logits in place
+        trees = None
+        if plan.trees:  # before vLLM's sampler, which may edit the logits in place
+            trees = prepare_trees(plan, logits, rows.node_tokens, runner,
+                                  keep_rows=self._wants_logprobs(runner, plan))
         t1 = time.perf_counter()
         out = original(logits, spec_decode_metadata)
         t2 = time.perf_counter()
-        if plan.trees:
-            ctx.accepted = accept_trees(plan, argmax, rows.node_tokens, out.sampled_token_ids)
+        if trees is not None:
+            write_trees(trees, plan, out, runner.model_config.logprobs_mode)
+            ctx.accepted = trees.accepted(plan)
+            self.stats["off_chain_accepts"] += sum(
+                int(np.any(a != np.arange(1, len(a) + 1))) for a in ctx.accepted.values())
             self.stats["kv_compactions"] += compact_kv(ctx.kv_stash, ctx.accepted)
         ctx.kv_stash.clear()
         ctx.rows = rows
         ctx.timing.work += (t1 - t0) + (time.perf_counter() - t2)
         return out
+
+    @staticmethod
+    def _wants_logprobs(runner, plan) -> bool:
+        return any(getattr(runner.requests[plan.req_ids[t.batch_index]].sampling_params,
+                           "logprobs", None) is not None for t in plan.trees)
 
     def input_fits(self, runner, common_attn_metadata) -> bool:
         """RECAP runs every step: it caps each request's drafts by its own room to
@@ -217,7 +225,8 @@ class StepDriver:
                  for i in decoding}
         b = cap
         if self.adaptive and trees:
-            b = self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan))
+            kinds = [self._kind(runner, ctx.plan.req_ids[i]) for i in trees]
+            b = self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan), kinds)
         for i, tree in trees.items():
             # Every rank records the same full tree; only the count sent to the scheduler
             # (rank 0's, from its clock) is local, and the next layout cuts by what vLLM
@@ -262,7 +271,8 @@ class StepDriver:
             tree = ctx.proposals.get(req_id)
             if tree is not None:
                 n = len(parents)
-                self.budget.observe_tree(parents, tree.scores[:n], accepted, tree.depths[:n])
+                self.budget.observe_tree(parents, tree.scores[:n], accepted, tree.depths[:n],
+                                         self._kind(runner, req_id))
         self.drafter.commit(req_id, sampled)
         record.num_committed = n_tokens
         params = getattr(runner.requests.get(req_id), "sampling_params", None)
@@ -297,6 +307,12 @@ class StepDriver:
         if not self.tree_mode or tree_unsupported_reason(params) is not None:
             tree = tree.truncate(1 + tree.chain_len)  # the best chain sits at 1..L
         return tree.truncate(1 + room)
+
+    @staticmethod
+    def _kind(runner, req_id: str) -> str:
+        """The request's acceptance rule, for the budget's calibration."""
+        params = getattr(runner.requests.get(req_id), "sampling_params", None)
+        return "greedy" if greedy_equivalent(params) else "sampled"
 
     @staticmethod
     def _depths(ctx: StepContext, req_id: str, parents: np.ndarray) -> np.ndarray:

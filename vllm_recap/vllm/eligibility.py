@@ -1,10 +1,12 @@
 """Which requests may verify a tree, and which are surely finished after a step.
 
-Tree verification replaces vLLM's per-position sampling for the request, so a request may
-verify a tree only when every one of its sampling settings is one the tree path reproduces
-exactly. This is an allow-list over vLLM's ``SamplingParams``: a field the code does not know
-(a newer vLLM's feature) makes the request *not* tree-eligible, and it gets a single-path
-draft verified by vLLM's own rejection sampler, which is correct for anything vLLM supports.
+Tree verification replaces vLLM's per-position sampling for the request (the rows are
+processed by :mod:`vllm_recap.vllm.tree_sampling`, walked by :mod:`vllm_recap.vllm.tree_walk`),
+so a request may verify a tree only when every one of its sampling settings is one the tree
+path reproduces exactly. This is an allow-list over vLLM's ``SamplingParams``: a field the
+code does not know (a newer vLLM's feature) makes the request *not* tree-eligible, and it gets
+a single-path draft verified by vLLM's own rejection sampler, which is correct for anything
+vLLM supports.
 """
 from __future__ import annotations
 
@@ -12,71 +14,84 @@ from typing import Any
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: below it a temperature means greedy
 
-# Fields that never change which token is chosen at a position: output formatting, stop
-# rules (applied by the scheduler / detokenizer to the committed tokens, after acceptance),
-# length limits, and the seed (greedy requests draw nothing).
-NEUTRAL_FIELDS = frozenset({
-    "n", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "detokenize",
+# Reproduced exactly per node by the code above, whatever their (valid) value. min_p and
+# logit_bias are exact against vLLM without speculation; vLLM itself refuses them on a
+# speculative engine (SamplingParams._validate_spec_decode), so they never arrive there.
+_TREE_EXACT = frozenset({
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "min_tokens", "stop_token_ids", "_all_stop_token_ids",
+    "_eos_token_id", "logit_bias", "allowed_token_ids", "bad_words", "_bad_words_token_ids",
+    "logprobs",
+})
+# Act after sampling (scheduler stop checks, detokenizer, output formatting, caching): the same
+# for a token however it was verified. n > 1 fans out into separate requests.
+_AFTER_SAMPLING = frozenset({
+    "n", "stop", "ignore_eos", "max_tokens", "flat_logprobs", "detokenize",
     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
     "output_kind", "stream_interval", "skip_clone", "output_text_buffer_length",
-    "_eos_token_id", "_all_stop_token_ids", "skip_reading_prefix_cache", "flat_logprobs",
-    "prompt_logprob_start", "routed_experts_prompt_start",
-    # Only read on the random path, which a greedy request never takes.
-    "top_p", "top_k", "min_p", "_watermarking_skipped",
+    "_watermarking_skipped", "skip_reading_prefix_cache", "repetition_detection",
+    "routed_experts_prompt_start",
 })
+# Must keep vLLM's default; anything else (including fields this code has never seen) is
+# named in the reason. watermarking=None means "engine default": the driver must also refuse
+# trees when the engine has a watermark config (only vLLM's v2 GPU runner applies one).
+_ALSO_ALLOWED = {"watermarking": (None, False)}
 
 
-def _greedy(params: Any) -> bool:
-    return params.temperature < _EPS
+def tree_unsupported_reason(params) -> str | None:
+    """None when every field of ``params`` has a value trees reproduce exactly, else a reason.
 
-
-# Fields the tree path reproduces for some values: field -> (is the value supported, reason).
-_CONDITIONAL = {
-    "temperature": (_greedy, "temperature > 0 (sampled request)"),
-}
-
-
-def tree_unsupported_reason(params: Any) -> str | None:
-    """Why this request cannot verify a tree (None: it can).
-
-    Every field of ``params`` must be neutral, supported at its value, or at its default.
+    Unsupported today: structured_outputs, logprob_token_ids, prompt_logprobs (and its
+    prompt_logprob_* companions: not verified alongside tree rows), extra_args (custom
+    samplers may read it), thinking_token_budget, trace_decode_token_ids, watermarking=True,
+    and any field added by a later vLLM that is not at its default.
     """
     if params is None:
-        return "no sampling parameters"
-    fields = getattr(type(params), "__struct_fields__", None)
-    if fields is None:
-        return f"unknown parameter type {type(params).__name__}"
-    defaults = _defaults(type(params))
-    for name in fields:
-        if name in NEUTRAL_FIELDS:
-            continue
-        check = _CONDITIONAL.get(name)
-        if check is not None:
-            if not check[0](params):
-                return check[1]
+        return "no sampling params"
+    defaults = _default_params(type(params))
+    for name in type(params).__struct_fields__:
+        if name in _TREE_EXACT or name in _AFTER_SAMPLING:
             continue
         value = getattr(params, name)
-        if not _is_default(value, defaults.get(name)):
-            return f"{name.lstrip('_')} is set"
+        if name in _ALSO_ALLOWED and value in _ALSO_ALLOWED[name]:
+            continue
+        if not hasattr(defaults, name) or not _same(value, getattr(defaults, name)):
+            return f"{name} is not reproduced for trees"
     return None
 
 
-def _defaults(cls) -> dict[str, Any]:
-    cached = getattr(cls, "__recap_defaults__", None)
-    if cached is None:
-        default = cls()
-        cached = {f: getattr(default, f) for f in cls.__struct_fields__}
-        cls.__recap_defaults__ = cached
-    return cached
+def _same(a, b) -> bool:
+    """Equality that never raises (array-valued fields compare as different); an empty list /
+    dict or False equals None, as the engine fills optional fields in (extra_args={})."""
+    a, b = _unset(a), _unset(b)
+    if a is None or b is None:
+        return a is b
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
 
 
-def _is_default(value: Any, default: Any) -> bool:
-    # An empty list / dict / set, or False, is the same as None for every optional field the
-    # engine fills in (bad_words=[], logit_bias={}, watermarking=False).
-    if value is None or value is False or (hasattr(value, "__len__") and len(value) == 0):
-        return default is None or default is False or (
-            hasattr(default, "__len__") and len(default) == 0)
-    return value == default
+def _unset(value):
+    if value is False or (isinstance(value, (list, tuple, dict, set, frozenset))
+                          and len(value) == 0):
+        return None
+    return value
+
+
+_DEFAULTS: dict[type, object] = {}
+
+
+def _default_params(cls: type):
+    """A default instance of the params' class (post-init normalised like every request's)."""
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = cls()
+    return _DEFAULTS[cls]
+
+
+def greedy_equivalent(params: Any) -> bool:
+    """The argmax decides the token (temperature below vLLM's epsilon, or top_k == 1)."""
+    return params is None or params.temperature < _EPS or params.top_k == 1
 
 
 def surely_finished(params: Any, sampled: list[int], num_output_tokens: int, num_tokens: int,

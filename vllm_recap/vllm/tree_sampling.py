@@ -1,0 +1,335 @@
+"""Per-node sampling for draft trees, with vLLM's sequential sampling semantics on every path.
+
+A tree node n at depth d is position ``prefix + d`` of one hypothetical sequence. Its logits row
+is the target's distribution of the token that FOLLOWS node n, so the row conditions on node n's
+own token. The "output so far" that vLLM's sampler would see for that row is
+
+    request output tokens + tokens of the draft nodes on the path root -> n
+    (root excluded: its token is the last committed token, already in the output; n included)
+
+and its length is ``len(output) + depth[n]``. Every per-position feature (penalties, min_tokens,
+multi-token bad words) is evaluated on that list, exactly as ``Sampler.apply_logits_processors``
+would for a sequence whose output is that list.
+
+Order of operations, as vLLM 0.32's ``Sampler.forward`` (v1/sample/sampler.py):
+allowed-ids mask, bad words, non-argmax-invariant logits processors (MinTokens, then LogitBias;
+``BUILTIN_LOGITS_PROCESSORS`` order), penalties (repetition, frequency, presence: vLLM's own
+``apply_penalties``); then greedy rows take the argmax; sampled rows are divided by their
+temperature, min-p filtered (``MinPLogitsProcessor.apply``'s ops), top-k/top-p filtered (vLLM's
+``apply_top_k_top_p``) and sampled from the softmax. (vLLM's chain rejection sampler applies
+penalties before the masks and skips logit bias and min-p at draft positions; the masks commute
+with the penalties, and a speculative engine refuses logit_bias and min_p requests, so chains
+and this module agree wherever both run.)
+
+The walks over these rows live in :mod:`vllm_recap.vllm.tree_walk`; which requests may
+verify trees at all, in :mod:`vllm_recap.vllm.eligibility`.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+# vLLM's _SAMPLING_EPS (v1/sample/sampler.py): a temperature below it means greedy. A copy, so
+# that plain greedy trees never import vLLM's sampler modules (tests check they agree); the
+# vLLM functions each feature reuses are imported where the feature is applied.
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class RequestSampling:
+    """One request's sampling state for one step, as vLLM's InputBatch would hold it.
+
+    Token lists are the committed ones (no async ``-1`` placeholders: they are padded out of the
+    penalties like vLLM does, but bad words would compare them).
+    """
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    temperature: float = 1.0
+    """0.0 for greedy requests (vLLM stores 0.0 when ``temperature < _SAMPLING_EPS``)."""
+    top_k: int = 0
+    """0 or -1: off (vLLM maps anything outside ``(0, vocab)`` to the vocab size)."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    """``SamplingParams.all_stop_token_ids`` (EOS included): masked while below min_tokens."""
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_ids: Sequence[int] = ()
+    bad_words_token_ids: Sequence[Sequence[int]] = ()
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def from_params(cls, params, prompt_token_ids: Sequence[int] | None,
+                    output_token_ids: Sequence[int],
+                    generator: torch.Generator | None = None) -> RequestSampling:
+        """Builds the state the way ``InputBatch.add_request`` and the builtin processors do.
+
+        Args:
+            params: the request's vLLM ``SamplingParams`` (after the engine added EOS and
+                tokenized bad words).
+            prompt_token_ids: the prompt; None (prompt embeds) only without repetition penalty.
+            output_token_ids: committed output tokens, the root's token last.
+            generator: the request's ``torch.Generator`` (seeded requests), else None.
+        """
+        if prompt_token_ids is None:
+            if params.repetition_penalty != 1.0:
+                raise ValueError("repetition_penalty needs prompt_token_ids (prompt embeds?)")
+            prompt_token_ids = ()
+        greedy = params.temperature < _SAMPLING_EPS
+        return cls(
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            temperature=0.0 if greedy else float(params.temperature),
+            top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            min_tokens=params.min_tokens,
+            stop_token_ids=frozenset(params.all_stop_token_ids),
+            logit_bias=dict(params.logit_bias or {}),
+            allowed_token_ids=tuple(params.allowed_token_ids or ()),
+            bad_words_token_ids=tuple(tuple(w) for w in params.bad_words_token_ids or ()),
+            generator=generator,
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        """vLLM's greedy rule: the sampler takes the argmax of the penalised logits."""
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def greedy_equivalent(self) -> bool:
+        """Argmax decides the token: greedy, or top_k == 1 (exact unless the max is tied)."""
+        return self.is_greedy or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """All draft trees of one engine step, concatenated: N nodes, T trees (one per request).
+
+    Attributes:
+        req: [N] int64, the node's index into the ``requests`` sequence (e.g. its batch row).
+        parent: [N] int64, global parent index, -1 for a root; ``parent[n] < n``.
+        token: [N] int64; a root's token is the request's last committed token.
+        depth: [N] int64, 0 for roots.
+        path_nodes: [N, D] int64, the nodes on root -> n (root excluded, n included) in depth
+            order, padded with -1; D = max depth.
+        roots: [T] int64, root nodes in node order.
+        tree_of: [N] int64, index into ``roots`` of the node's tree.
+    """
+
+    req: np.ndarray
+    parent: np.ndarray
+    token: np.ndarray
+    depth: np.ndarray
+    path_nodes: np.ndarray
+    roots: np.ndarray
+    tree_of: np.ndarray
+
+    @classmethod
+    def from_parents(cls, req, parent, token) -> TreeBatch:
+        """Derives depths and paths; raises ValueError on a malformed forest."""
+        req, parent, token = (np.asarray(a, dtype=np.int64).ravel() for a in (req, parent, token))
+        n = len(parent)
+        if n == 0 or len(req) != n or len(token) != n:
+            raise ValueError(f"req, parent, token must be non-empty and equal in length, got "
+                             f"{len(req)}, {n}, {len(token)}")
+        idx = np.arange(n)
+        if np.any(parent >= idx) or np.any(parent < -1) or np.any(req < 0):
+            raise ValueError("parent[n] must be -1 or an earlier node; req must be >= 0")
+        child = parent >= 0
+        if np.any(req[parent[child]] != req[child]):
+            raise ValueError("a node's parent belongs to another request")
+        roots = np.flatnonzero(~child)
+        if len(np.unique(req[roots])) != len(roots):
+            raise ValueError("a request has more than one root")
+        # Pointer jumping: one vectorised pass per tree level.
+        depth = np.zeros(n, dtype=np.int64)
+        cur = parent.copy()
+        while np.any(cur >= 0):
+            live = cur >= 0
+            depth[live] += 1
+            cur[live] = parent[cur[live]]
+        d_max = int(depth.max())
+        path_nodes = np.full((n, d_max), -1, dtype=np.int64)
+        cur = idx.copy()
+        for j in range(d_max):
+            pos = depth - 1 - j
+            live = pos >= 0           # cur is then a non-root node on n's path
+            path_nodes[live, pos[live]] = cur[live]
+            cur = np.where(live, parent[cur], cur)
+        tree_index = np.zeros(int(req.max()) + 1, dtype=np.int64)
+        tree_index[req[roots]] = np.arange(len(roots))
+        return cls(req, parent, token, depth, path_nodes, roots, tree_index[req])
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parent)
+
+    def path_tokens(self) -> np.ndarray:
+        """[N, D] int64: tokens of ``path_nodes``, padded with -1."""
+        return np.where(self.path_nodes >= 0, self.token[np.maximum(self.path_nodes, 0)], -1)
+
+
+def group_by_request(tree: TreeBatch, requests: Sequence[RequestSampling | None]
+            ) -> list[tuple[RequestSampling, np.ndarray]]:
+    """(request, its node indices ascending) per request of the batch."""
+    order = np.argsort(tree.req, kind="stable")
+    uniq, starts = np.unique(tree.req[order], return_index=True)
+    out = []
+    for r, nodes in zip(uniq, np.split(order, starts[1:])):
+        rs = requests[int(r)] if 0 <= r < len(requests) else None
+        if rs is None:
+            raise ValueError(f"node request index {int(r)} has no RequestSampling")
+        out.append((rs, nodes))
+    return out
+
+
+def rows_and_owner(groups: list[tuple[RequestSampling, np.ndarray]]
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The groups' nodes concatenated [M], and for each the index of its group [M]."""
+    rows = np.concatenate([nodes for _, nodes in groups])
+    owner = np.concatenate([np.full(len(nodes), i) for i, (_, nodes) in enumerate(groups)])
+    return rows, owner
+
+
+def _padded(rows: list[Sequence[int]], pad: int) -> np.ndarray:
+    """[len(rows), max_len] int64, right-padded; negative ids (async placeholders) -> pad."""
+    arr = np.full((len(rows), max(1, max(len(r) for r in rows))), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        arr[i, :len(r)] = r
+    arr[arr < 0] = pad
+    return arr
+
+
+def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
+                        requests: Sequence[RequestSampling | None]) -> torch.Tensor:
+    """Each node's row exactly as vLLM's sequential sampler would process it at that position.
+
+    Args:
+        logits: [N, V] target logits at the nodes (any float dtype; not modified).
+        tree: the step's trees; ``tree.req`` indexes ``requests``.
+        requests: per request index, its sampling state (None where no node refers to it).
+
+    Returns:
+        [N, V] float32: for greedy rows the penalised logits vLLM takes the argmax of; for
+        sampled rows the temperature-scaled, min-p/top-k/top-p filtered logits vLLM samples from
+        (its ``processed_logits``).
+    """
+    n, vocab = logits.shape
+    if n != tree.num_nodes:
+        raise ValueError(f"logits has {n} rows for {tree.num_nodes} nodes")
+    dev = logits.device
+    out = logits.to(torch.float32, copy=True)
+    groups = group_by_request(tree, requests)
+    path = tree.path_tokens()
+
+    # 1. allowed_token_ids: -inf outside the list (InputBatch's mask, masked_fill_).
+    for rs, nodes in groups:
+        if rs.allowed_token_ids:
+            mask = torch.ones(vocab, dtype=torch.bool, device=dev)
+            mask[list(rs.allowed_token_ids)] = False
+            rows = torch.as_tensor(nodes, device=dev)
+            out[rows] = out[rows].masked_fill_(mask, float("-inf"))
+
+    # 2. bad words on output + path. Only the last (longest word - 1) output tokens can match,
+    #    and keeping at least that many keeps vLLM's length check identical.
+    bad_rows: dict[int, Sequence[Sequence[int]]] = {}
+    past: dict[int, list[int]] = {}
+    for rs, nodes in groups:
+        if rs.bad_words_token_ids:
+            keep = max(len(w) for w in rs.bad_words_token_ids) - 1
+            start = max(0, len(rs.output_token_ids) - keep)
+            tail = list(rs.output_token_ids[start:]) if keep else []
+            words = [list(w) for w in rs.bad_words_token_ids]
+            for v in nodes.tolist():
+                bad_rows[v] = words
+                past[v] = tail + path[v, :tree.depth[v]].tolist()
+    if bad_rows:
+        from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+        apply_bad_words(out, bad_rows, past)  # indexes past by row; a dict serves
+
+    # 3. MinTokens (stop ids -> -inf while len(output so far) < min_tokens), then LogitBias.
+    mt_rows, mt_toks, lb_rows, lb_toks, lb_vals = [], [], [], [], []
+    for rs, nodes in groups:
+        if rs.min_tokens and rs.stop_token_ids:
+            masked = nodes[len(rs.output_token_ids) + tree.depth[nodes] < rs.min_tokens]
+            stops = np.fromiter(rs.stop_token_ids, dtype=np.int64)
+            mt_rows.append(np.repeat(masked, len(stops)))
+            mt_toks.append(np.tile(stops, len(masked)))
+        if rs.logit_bias:
+            toks = np.fromiter(rs.logit_bias.keys(), dtype=np.int64)
+            vals = np.fromiter(rs.logit_bias.values(), dtype=np.float32)
+            lb_rows.append(np.repeat(nodes, len(toks)))
+            lb_toks.append(np.tile(toks, len(nodes)))
+            lb_vals.append(np.tile(vals, len(nodes)))
+    if mt_rows:
+        idx = (torch.as_tensor(np.concatenate(mt_rows), device=dev),
+               torch.as_tensor(np.concatenate(mt_toks), device=dev))
+        out.index_put_(idx, torch.tensor(float("-inf"), device=dev))
+    if lb_rows:
+        idx = (torch.as_tensor(np.concatenate(lb_rows), device=dev),
+               torch.as_tensor(np.concatenate(lb_toks), device=dev))
+        out[idx] += torch.as_tensor(np.concatenate(lb_vals), device=dev)
+
+    # 4. Penalties with vLLM's own function on the penalised rows only (a neutral row is an
+    #    exact no-op in vLLM's batch). Output = request output + path, padded with vocab.
+    pen = [(rs, nodes) for rs, nodes in groups if rs.has_penalties]
+    if pen:
+        from vllm.model_executor.layers.utils import apply_penalties
+
+        rows_np, owner = rows_and_owner(pen)
+        prompt = _padded([rs.prompt_token_ids for rs, _ in pen], vocab)[owner]
+        output = np.concatenate([_padded([rs.output_token_ids for rs, _ in pen], vocab)[owner],
+                                 np.where(path[rows_np] >= 0, path[rows_np], vocab)], axis=1)
+
+        def per_row(attr: str) -> torch.Tensor:  # float32 like InputBatch's penalty tensors
+            vals = torch.tensor([getattr(rs, attr) for rs, _ in pen], dtype=torch.float32)
+            return vals[torch.as_tensor(owner)].to(dev)
+
+        rows = torch.as_tensor(rows_np, device=dev)
+        sub = out[rows]  # a contiguous copy: the CUDA repetition kernel needs contiguity
+        out[rows] = apply_penalties(sub, torch.as_tensor(prompt, device=dev),
+                                    torch.as_tensor(output, device=dev),
+                                    per_row("presence_penalty"), per_row("frequency_penalty"),
+                                    per_row("repetition_penalty"))
+
+    # 5. Sampled rows: temperature, min-p, top-k/top-p (Sampler.sample's order).
+    samp = [(rs, nodes) for rs, nodes in groups if not rs.is_greedy]
+    if samp:
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+        from vllm.v1.sample.sampler import Sampler
+
+        rows_np, owner_np = rows_and_owner(samp)
+        owner = torch.as_tensor(owner_np, device=dev)
+        rows = torch.as_tensor(rows_np, device=dev)
+        sub = Sampler.apply_temperature(
+            out[rows], torch.tensor([rs.temperature for rs, _ in samp], dtype=torch.float32,
+                                    device=dev)[owner], all_random=True)
+        min_p = torch.tensor([rs.min_p for rs, _ in samp], dtype=torch.float32,
+                             device=dev)[owner]
+        if torch.any(min_p != 0):  # MinPLogitsProcessor.apply, same ops
+            probs = torch.nn.functional.softmax(sub, dim=-1)
+            adjusted = torch.amax(probs, dim=-1, keepdim=True).mul_(min_p.unsqueeze(1))
+            sub.masked_fill_(probs < adjusted, -float("inf"))
+        # InputBatch: top_k/top_p tensors exist only when some request uses them.
+        ks = [rs.top_k if 0 < rs.top_k < vocab else vocab for rs, _ in samp]
+        k = (torch.tensor(ks, dtype=torch.int32, device=dev)[owner]
+             if any(x < vocab for x in ks) else None)
+        p = (torch.tensor([rs.top_p for rs, _ in samp], dtype=torch.float32, device=dev)[owner]
+             if any(rs.top_p < 1 for rs, _ in samp) else None)
+        out[rows] = apply_top_k_top_p(sub, k, p)
+    return out

@@ -1,0 +1,119 @@
+"""Tree acceptance of one step, written in vLLM's chain layout (tokens and logprobs).
+
+vLLM's rejection sampler only knows chains. For requests that verified a tree, the step's
+rows are processed per node with vLLM's sampling semantics on each node's path
+(:mod:`~vllm_recap.vllm.tree_sampling`), walked by argmax or by lossless sampling
+(:mod:`~vllm_recap.vllm.tree_walk`), and the result overwrites the request's row of vLLM's
+output ``[batch, max_spec + 1]`` (accepted path tokens, then the committed token, -1 padding)
+and, when logprobs were asked for, its logprobs rows -- so the scheduler, bookkeeping and
+spec-decode metrics work unchanged. Chains keep vLLM's result.
+
+Two phases, because vLLM's sampler may edit the logits in place: :func:`prepare` runs before
+it (reads the tree rows, walks), :func:`write` after it (overwrites its output).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_recap.vllm.context import StepPlan
+from vllm_recap.vllm.tree_sampling import RequestSampling, TreeBatch, process_tree_logits
+from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees
+
+PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID for rejected positions
+
+
+@dataclass
+class TreeVerification:
+    """The walked trees of one step, ready to be written into vLLM's output.
+
+    Attributes:
+        batch: all tree nodes of the step (``batch.req`` = batch row).
+        offsets: per tree, the global index of its root in ``batch``.
+        walk: accepted nodes and committed token per tree.
+        raw: [N, V] the nodes' logits rows (copies), kept only if logprobs may be written.
+        processed: [N, V] float32 processed rows (same condition).
+    """
+
+    batch: TreeBatch
+    offsets: list[int]
+    walk: TreeWalk
+    raw: torch.Tensor | None
+    processed: torch.Tensor | None
+
+    def accepted(self, plan: StepPlan) -> dict[int, np.ndarray]:
+        """Batch row -> accepted node indices within its tree (depth order, root excluded)."""
+        return {t.batch_index: nodes - off for t, off, nodes
+                in zip(plan.trees, self.offsets, self.walk.accepted)}
+
+
+def request_sampling(runner, req_id: str) -> RequestSampling:
+    """The request's sampling state as vLLM's input batch holds it this step."""
+    state = runner.requests[req_id]
+    return RequestSampling.from_params(state.sampling_params, state.prompt_token_ids,
+                                       state.output_token_ids, state.generator)
+
+
+def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runner,
+            keep_rows: bool) -> TreeVerification:
+    """Processes and walks every tree of the step (before vLLM's sampler runs).
+
+    Args:
+        plan: the step layout (``plan.trees`` non-empty).
+        logits: [R, V] the step's logits (1 + drafts rows per request).
+        node_tokens: [R] the token at each logits row.
+        runner: vLLM's model runner (``requests``: sampling params, tokens, generator).
+        keep_rows: keep raw and processed rows for logprobs.
+    """
+    starts = plan.logits_starts
+    rows, req, parent, offsets = [], [], [], []
+    requests: list[RequestSampling | None] = [None] * len(plan.req_ids)
+    total = 0
+    for tree in plan.trees:
+        b, n = tree.batch_index, tree.num_nodes
+        rows.append(np.arange(starts[b], starts[b] + n))
+        req.append(np.full(n, b))
+        parent.append(np.where(tree.parents >= 0, tree.parents + total, -1))
+        offsets.append(total)
+        requests[b] = request_sampling(runner, plan.req_ids[b])
+        total += n
+    flat = np.concatenate(rows)
+    batch = TreeBatch.from_parents(np.concatenate(req), np.concatenate(parent), node_tokens[flat])
+    raw = logits[torch.from_numpy(flat).to(logits.device)]
+    processed = process_tree_logits(raw, batch, requests)
+    walk = verify_trees(processed, batch, requests)
+    return TreeVerification(batch, offsets, walk, raw if keep_rows else None,
+                            processed if keep_rows else None)
+
+
+def write(ver: TreeVerification, plan: StepPlan, output, logprobs_mode: str) -> None:
+    """Overwrites the tree requests' rows of vLLM's sampler output.
+
+    Args:
+        ver: from :func:`prepare`.
+        plan: the step layout.
+        output: vLLM's ``SamplerOutput``: ``sampled_token_ids`` [B, W] (W = max_spec + 1),
+            ``logprobs_tensors`` None or rows [B * W, k + 1] in the same (batch, position)
+            order, modified in place.
+        logprobs_mode: vLLM's ``logprobs_mode`` (raw or processed, logprobs or logits).
+    """
+    sampled = output.sampled_token_ids
+    width = sampled.shape[1]
+    tokens = ver.walk.output_tokens(ver.batch)
+    for tree, path in zip(plan.trees, tokens):
+        row = torch.full((width,), PLACEHOLDER, dtype=sampled.dtype)
+        row[:len(path)] = torch.tensor(path, dtype=sampled.dtype)
+        sampled[tree.batch_index] = row.to(sampled.device)
+    lp = output.logprobs_tensors
+    if lp is None or ver.raw is None:
+        return
+    ours = tree_logprobs(ver.walk, ver.batch, ver.raw, ver.processed,
+                         lp.logprobs.shape[1] - 1, logprobs_mode)
+    dest = torch.from_numpy(np.concatenate(
+        [tree.batch_index * width + np.arange(len(path))
+         for tree, path in zip(plan.trees, tokens)])).to(lp.logprobs.device)
+    lp.logprob_token_ids[dest] = ours.logprob_token_ids.to(lp.logprob_token_ids.dtype)
+    lp.logprobs[dest] = ours.logprobs.to(lp.logprobs.dtype)
+    lp.selected_token_ranks[dest] = ours.selected_token_ranks.to(lp.selected_token_ranks.dtype)

@@ -1,0 +1,201 @@
+"""Walking draft trees over processed rows: greedy, lossless sampling, and logprobs.
+
+Walking (lossless for deterministic drafts): at the current node draw x from the node's processed
+distribution (argmax for greedy-equivalent requests); if x is a child's token move there and
+repeat, else commit x. Draws at different nodes are independent, so every node is drawn up
+front in one batched call and the walk itself is cheap index work.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import LogprobsTensors
+
+from vllm_recap.vllm.tree_sampling import (
+    RequestSampling,
+    TreeBatch,
+    group_by_request,
+    rows_and_owner,
+)
+
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+@dataclass(frozen=True)
+class TreeWalk:
+    """The outcome of walking every tree of a TreeBatch.
+
+    Attributes:
+        accepted: T arrays of accepted node indices in depth order (root excluded).
+        committed: [T] int64, the token committed after the accepted path (bonus/recovered).
+        target: [N] int64, the token drawn (or the argmax) at every node; a walk reads it only
+            at the root and the accepted nodes.
+        child_mass: [N] float32, the probability of node n's distinct child tokens under
+            softmax(processed row n): the chance that a sampled walk goes deeper at n (for an
+            argmax walk only a confidence: it goes deeper iff the argmax is a child).
+    """
+
+    accepted: tuple[np.ndarray, ...]
+    committed: np.ndarray
+    target: np.ndarray
+    child_mass: np.ndarray
+
+    def output_tokens(self, tree: TreeBatch) -> list[list[int]]:
+        """Per tree: accepted tokens then the committed one, as vLLM appends them."""
+        return [tree.token[a].tolist() + [int(c)] for a, c in zip(self.accepted, self.committed)]
+
+    def rows(self, tree: TreeBatch) -> list[np.ndarray]:
+        """Per tree: the node rows that produced ``output_tokens`` (root, then accepted)."""
+        return [np.concatenate(([r], a)) for r, a in zip(tree.roots, self.accepted)]
+
+
+def greedy_sample(processed: torch.Tensor) -> np.ndarray:
+    """[N] int64 argmax per row, vLLM's greedy choice: ``Sampler.greedy_sample`` is
+    ``torch.argmax`` on CUDA and the ``greedy_argmax`` op on CPU, which breaks ties the same
+    way (lowest id; NaN wins), so plain greedy trees need no vLLM import."""
+    return processed.argmax(dim=-1).to(torch.int64).cpu().numpy()
+
+
+def walk_targets(tree: TreeBatch, target: np.ndarray,
+                 child_mass: np.ndarray | None = None) -> TreeWalk:
+    """Walks every tree following the child whose token equals ``target`` at the current node.
+
+    Args:
+        tree: the trees.
+        target: [N] int64, the token chosen at each node (argmax or a draw).
+        child_mass: [N] float32 to carry into the result (zeros when None).
+    Duplicate sibling tokens are redundant drafts: the lowest node index is followed.
+    """
+    on = np.zeros(tree.num_nodes, dtype=bool)
+    on[tree.roots] = True
+    last = tree.roots.copy()
+    for d in range(1, tree.path_nodes.shape[1] + 1):
+        nodes = np.flatnonzero(tree.depth == d)
+        par = tree.parent[nodes]
+        sel = nodes[on[par] & (tree.token[nodes] == target[par])]
+        sel = sel[np.unique(tree.parent[sel], return_index=True)[1]]
+        on[sel] = True
+        last[tree.tree_of[sel]] = sel
+    accepted = tuple(tree.path_nodes[v, :tree.depth[v]].copy() for v in last)
+    if child_mass is None:
+        child_mass = np.zeros(tree.num_nodes, dtype=np.float32)
+    return TreeWalk(accepted, target[last].astype(np.int64), target, child_mass)
+
+
+def children_mass(probs: torch.Tensor, tree: TreeBatch) -> np.ndarray:
+    """[N] float32: sum of probs[n, t] over the distinct tokens t of node n's children."""
+    kids = np.flatnonzero(tree.parent >= 0)
+    pairs = np.unique(np.stack([tree.parent[kids], tree.token[kids]], axis=1), axis=0)
+    mass = torch.zeros(tree.num_nodes, dtype=torch.float32, device=probs.device)
+    if len(pairs):
+        par = torch.as_tensor(pairs[:, 0], device=probs.device)
+        tok = torch.as_tensor(pairs[:, 1], device=probs.device)
+        mass.index_add_(0, par, probs[par, tok].to(torch.float32))
+    return mass.cpu().numpy()
+
+
+def _draw(probs: torch.Tensor, groups: list[tuple[RequestSampling, np.ndarray]]) -> np.ndarray:
+    """[N] int64: one independent draw per node of ``groups`` (others 0).
+
+    Unseeded requests share one call on the default generator; a seeded request draws its rows
+    with its own generator, so its walk is reproducible whatever else is in the batch.
+    """
+    draws = torch.zeros(probs.shape[0], dtype=torch.int64, device=probs.device)
+    plain = [nodes for rs, nodes in groups if rs.generator is None]
+    for rs, nodes in groups:
+        if rs.generator is not None:
+            rows = torch.as_tensor(nodes, device=probs.device)
+            draws[rows] = torch.multinomial(probs[rows], 1, generator=rs.generator).view(-1)
+    if plain:
+        rows = torch.as_tensor(np.concatenate(plain), device=probs.device)
+        draws[rows] = torch.multinomial(probs[rows], 1).view(-1)
+    return draws.cpu().numpy()
+
+
+def verify_trees(processed: torch.Tensor, tree: TreeBatch,
+                 requests: Sequence[RequestSampling | None]) -> TreeWalk:
+    """Walks greedy-equivalent requests' trees by argmax and the others by sampling.
+
+    Args:
+        processed: [N, V] float32 from ``process_tree_logits``.
+        tree: the trees.
+        requests: as for ``process_tree_logits``.
+    """
+    probs = processed.softmax(dim=-1, dtype=torch.float32)
+    target = greedy_sample(processed)
+    drawn = [(rs, nodes) for rs, nodes in group_by_request(tree, requests) if not rs.greedy_equivalent]
+    if drawn:
+        rows, _ = rows_and_owner(drawn)
+        target[rows] = _draw(probs, drawn)[rows]
+    return walk_targets(tree, target, children_mass(probs, tree))
+
+
+def greedy_walk(processed: torch.Tensor, tree: TreeBatch) -> TreeWalk:
+    """Walks every tree by the argmax of its processed rows.
+
+    The argmax follows vLLM's ``Sampler.greedy_sample`` (:func:`greedy_sample`): the lowest
+    token id wins a tie.
+    """
+    probs = processed.softmax(dim=-1, dtype=torch.float32)
+    target = greedy_sample(processed)
+    return walk_targets(tree, target, children_mass(probs, tree))
+
+
+def sample_walk(processed: torch.Tensor, tree: TreeBatch,
+                requests: Sequence[RequestSampling | None]) -> TreeWalk:
+    """Lossless tree sampling for every tree: draw x from the node's processed distribution;
+    move to the child whose token is x, else commit x.
+
+    The accepted path + x is distributed as sequential sampling, and the walk goes deeper at n
+    with probability ``child_mass[n]``. Raises ValueError for a greedy (temperature 0) request:
+    its row is an argmax input, not a distribution.
+
+    Args:
+        processed: [N, V] float32 from ``process_tree_logits``.
+    """
+    groups = group_by_request(tree, requests)
+    if any(rs.is_greedy for rs, _ in groups):
+        raise ValueError("sample_walk got a greedy request; use greedy_walk or verify_trees")
+    probs = processed.softmax(dim=-1, dtype=torch.float32)
+    return walk_targets(tree, _draw(probs, groups), children_mass(probs, tree))
+
+
+def tree_logprobs(walk: TreeWalk, tree: TreeBatch, raw_logits: torch.Tensor,
+                  processed: torch.Tensor, num_logprobs: int,
+                  mode: str = "raw_logprobs") -> "LogprobsTensors":
+    """The logprobs rows sequential vLLM returns for each tree's accepted path + final token.
+
+    Args:
+        walk: the walk; rows are, per tree, its root then its accepted nodes.
+        raw_logits: [N, V] model logits (model dtype) of the nodes.
+        processed: [N, V] float32 from ``process_tree_logits``.
+        num_logprobs: the batch's ``max_num_logprobs`` (the vocab size for ``logprobs=-1``).
+        mode: vLLM's ``logprobs_mode``.
+    Returns:
+        vLLM's LogprobsTensors over all trees in order: ids/logprobs [M, num_logprobs + 1]
+        (the chosen token first, then the top ones), ranks [M]; ``cu_num_generated_tokens`` [T+1].
+    """
+    from vllm.v1.sample.sampler import Sampler
+
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"mode must be one of {LOGPROBS_MODES}, got {mode!r}")
+    if num_logprobs < 0:
+        raise ValueError(f"num_logprobs must be >= 0, got {num_logprobs}")
+    per_tree = walk.rows(tree)
+    rows = torch.as_tensor(np.concatenate(per_tree), device=raw_logits.device)
+    tokens = torch.as_tensor(np.concatenate([t for t in walk.output_tokens(tree)]),
+                             dtype=torch.int64, device=raw_logits.device)
+    src = raw_logits if mode.startswith("raw") else processed
+    picked = src[rows]
+    logprobs = (picked.to(torch.float32) if mode.endswith("logits")
+                else Sampler.compute_logprobs(picked))
+    out = Sampler.gather_logprobs(logprobs, num_logprobs, tokens)
+    cu = np.concatenate(([0], np.cumsum([len(r) for r in per_tree]))).tolist()
+    return out._replace(cu_num_generated_tokens=cu)
