@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("vllm_recap")
+logger = logging.getLogger("vllm.recap")
 
 # vLLM releases whose internals the seams in patches/ were written against.
 SUPPORTED_VLLM = ("0.32.", "0.33.")

