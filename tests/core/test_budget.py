@@ -180,3 +180,21 @@ def test_sampled_and_greedy_acceptance_are_calibrated_apart() -> None:
         ctl.observe_tree(tree.parents, tree.scores, 0, tree.depths, kind="sampled")
     greedy, sampled = ctl.expected_gains(tree, "greedy"), ctl.expected_gains(tree, "sampled")
     assert greedy[-1] > 2.5 and sampled[-1] < 0.5
+
+
+def test_cost_is_learned_per_context_length() -> None:
+    """A tree that pays at a short context must not be chosen where long contexts made the
+    same token count dear (the cost model used to be keyed by token count only)."""
+    ctl = BudgetController(16, RecapConfig().depth_discounts)
+    tree = DraftTree(np.arange(17), np.arange(-1, 16), np.r_[1.0, np.full(16, 0.9)])
+    for _ in range(300):
+        ctl.observe_tree(tree.parents, tree.scores, 16, tree.depths)  # everything accepted
+    for n in (1, 17):  # short context: 17 tokens cost 1.2x one; long: 30x
+        for _ in range(3):
+            ctl.observe_step(n, 0.010 * (1.2 if n == 17 else 1.0), context=100)
+            ctl.observe_step(n, 0.010 * (30.0 if n == 17 else 1.0), context=1500)
+    assert ctl.choose([tree], 0, context=100) == 16
+    assert ctl.choose([tree], 0, context=1500) == 0
+    # an unmeasured context: plain decoding is measured there first
+    assert ctl.choose([tree], 0, context=6000) == 0
+    assert not ctl.cost.measured(1, 6000) and ctl.cost.measured(17, 1500)

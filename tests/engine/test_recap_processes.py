@@ -142,7 +142,7 @@ REFS = os.environ.get("TP2_REFS")
 if REFS:  # module level: vLLM spawns its workers, which import this module again
     refs = json.loads(open(REFS).read())
 
-    def rank_choice(self, trees, prefill_tokens, kinds=None):
+    def rank_choice(self, trees, prefill_tokens, kinds=None, context=0):
         import torch.distributed as dist
         return 9 if dist.get_rank() == 0 else 3  # rank 1 records fewer nodes than scheduled
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vllm_recap.core.config import RecapConfig
+from vllm_recap.core.config import BudgetPolicy, RecapConfig
 from vllm_recap.core.drafter import Drafter
 from vllm_recap.vllm.driver import DriverSettings, StepDriver
 
@@ -101,7 +101,9 @@ def greedy_params(**kw) -> Params:
 
 def make_driver(config: RecapConfig | None = None, *, max_model_len: int = 512,
                 num_spec_tokens: int | None = None, tree_mode: bool = True) -> StepDriver:
-    config = config or RecapConfig(node_budget=8, suffix_len=4, prompt_seed_rows=32)
+    # fixed: the adaptive budget would decide from this process's timings (tests set it)
+    config = config or RecapConfig(node_budget=8, suffix_len=4, prompt_seed_rows=32,
+                                   budget_policy=BudgetPolicy.FIXED)
     drafter = Drafter(config, VOCAB)
     n_spec = num_spec_tokens or config.node_budget + config.suffix_len
     return StepDriver(config, drafter, DriverSettings(n_spec, max_model_len,
@@ -144,8 +146,9 @@ class FakeEngine:
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int, params=None,
             salt: str | None = None) -> None:
-        self.requests[req_id] = FakeRequest(list(prompt), max_tokens, params or greedy_params(),
-                                            salt)
+        params = params or greedy_params()
+        params.max_tokens = max_tokens  # what vLLM's scheduler (and surely_finished) reads
+        self.requests[req_id] = FakeRequest(list(prompt), max_tokens, params, salt)
 
     def abort(self, req_id: str) -> None:
         if self.requests.pop(req_id, None) is not None:

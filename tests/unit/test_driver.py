@@ -183,8 +183,8 @@ def test_tensor_parallel_ranks_with_different_clocks_lay_out_the_same_trees():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(n_ranks=2, config=config)
     rank0, rank1 = engine.drivers
-    rank0.budget.choose = lambda trees, prefill, kinds=None: 3  # rank 0: small trees pay
-    rank1.budget.choose = lambda trees, prefill, kinds=None: 1  # rank 1: its clock says no
+    rank0.budget.choose = lambda trees, prefill, kinds=None, context=0: 3  # rank 0: small trees pay
+    rank1.budget.choose = lambda trees, prefill, kinds=None, context=0: 1  # rank 1: its clock says no
     _add_all(engine, 30)
     out = engine.run()  # the engine asserts every step that both ranks commit the same
     assert out == _reference(engine.target, 30)
@@ -202,3 +202,25 @@ def test_scheduled_drafts_that_are_not_the_proposal_verify_as_a_chain():
                       np.array([10, 10]), np.array([4, 4]))
     assert [t.batch_index for t in plan.trees] == [0]  # "r" scheduled a prefix of its tree
     assert plan.parents[1].tolist() == [-1, 0, 1]  # "s": zeros are not its proposal
+
+
+def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
+    """While the budget keeps choosing no drafts the driver stops computing rows and trees
+    (idle), probes every PROBE_EVERY steps, and drafts again once drafting pays; the tokens of
+    idle steps still reach the drafter (outputs identical)."""
+    from vllm_recap.vllm.driver import IDLE_AFTER, PROBE_EVERY
+
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config)
+    driver = engine.drivers[0]
+    choice = {"b": 0}
+    driver.budget.choose = lambda trees, prefill, kinds=None, context=0: choice["b"]
+    _add_all(engine, 90)
+    for _ in range(IDLE_AFTER + 2 * PROBE_EVERY):
+        engine.step()
+    idle = driver.stats["idle_steps"]
+    assert idle > PROBE_EVERY and driver.stats["tree_requests"] == 0
+    choice["b"] = 8  # drafting pays again: the next probe step resumes it
+    out = engine.run()
+    assert out == _reference(engine.target, 90)
+    assert driver.stats["tree_requests"] > 0 and driver.stats["resynced"] > 0

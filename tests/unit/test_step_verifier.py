@@ -171,3 +171,22 @@ def test_node_tokens_are_the_last_one_plus_drafts_scheduled_tokens():
                              dtype=torch.int32)
     assert node_tokens_of_rows(plan, input_ids).tolist() == [5, 10, 11, 12, 13, 14, 15, 16,
                                                              20, 21, 22]
+
+
+@pytest.mark.parametrize("vocab", [40000, 49152, 262144])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_rows_top_k_and_argmax_are_exact(vocab, dtype):
+    """Wide rows are reduced chunk by chunk (speed); the result must be torch's own."""
+    from vllm_recap.vllm.verifier import row_argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g).to(dtype)
+    logits[1, [7, vocab - 1, 500]] = 50.0  # a tie at the maximum, one in the last chunk
+    logits[2, -3:] = 40.0  # the top-3 in the partial last chunk (40000 = 312 x 128 + 64)
+    ids, probs = topk_rows(logits, 8)
+    values, want = torch.topk(logits, 8, dim=-1)
+    np.testing.assert_array_equal(np.take_along_axis(logits.float().numpy(), ids, 1),
+                                  values.float().numpy())
+    assert set(ids[2, :3]) == set(range(vocab - 3, vocab))
+    np.testing.assert_array_equal(row_argmax(logits), logits.float().argmax(-1).numpy())
+    assert row_argmax(logits)[1] == 7  # the lowest id among equal maxima, as vLLM's greedy

@@ -39,7 +39,12 @@ DRAFT_MARGIN = 1.03
 
 
 class StepCostModel:
-    """Seconds per engine step as a function of the tokens it runs.
+    """Seconds per engine step as a function of the tokens it runs and their context length.
+
+    A verification pass's attention grows with the context each token attends to, so a tree
+    size that pays at a 100-token context may not at 1,000: sizes are measured per context
+    bucket (factor-2 wide, by the mean context of the step's decoding requests) and never
+    borrowed from another bucket while this one has measurements of its own.
 
     Args:
         ema: weight of a new measurement in the per-size moving average.
@@ -49,8 +54,8 @@ class StepCostModel:
     def __init__(self, ema: float = 0.25, stale_after: int = 64) -> None:
         self.ema = ema
         self.stale_after = stale_after
-        self._mean: dict[int, float] = {}
-        self._last: dict[int, int] = {}
+        self._mean: dict[tuple[int, int], float] = {}  # (context bucket, size bucket) -> s
+        self._last: dict[tuple[int, int], int] = {}
         self.steps = 0
 
     @staticmethod
@@ -60,20 +65,41 @@ class StepCostModel:
             return num_tokens
         return int(round(16 * 1.125 ** round(np.log(num_tokens / 16) / np.log(1.125))))
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """Records one step that ran ``num_tokens`` tokens in ``seconds``."""
+    @staticmethod
+    def context_bucket(context: float) -> int:
+        """0 for none (prefill-only steps), else round(log2(context)): 64, 128, ... 4096."""
+        return 0 if context < 1 else int(round(np.log2(max(context, 64.0))))
+
+    def _key(self, num_tokens: int, context: float) -> tuple[int, int]:
+        return self.context_bucket(context), self.bucket(num_tokens)
+
+    def observe(self, num_tokens: int, seconds: float, context: float = 0) -> None:
+        """Records one step that ran ``num_tokens`` tokens at mean ``context`` in ``seconds``."""
         self.steps += 1
         if num_tokens <= 0 or not np.isfinite(seconds) or seconds <= 0:
             return
-        key = self.bucket(num_tokens)
+        key = self._key(num_tokens, context)
         old = self._mean.get(key)
         # A stale or contradicted average is replaced, not blended: it may come from another
         # phase of the load, or from one slow step.
-        blend = old is not None and not self.is_stale(num_tokens) and not self.is_clamped(num_tokens)
+        blend = (old is not None and not self.is_stale(num_tokens, context)
+                 and not self.is_clamped(num_tokens, context))
         self._mean[key] = old + self.ema * (seconds - old) if blend else seconds
         self._last[key] = self.steps
 
-    def estimate(self, num_tokens: int) -> float | None:
+    def _sizes(self, context: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """Measured (sizes, monotone seconds) of the nearest context bucket with data."""
+        if not self._mean:
+            return None
+        want = self.context_bucket(context)
+        have = {c for c, _ in self._mean}
+        # the same bucket if measured, else the nearest (the larger one on a tie: dearer)
+        ctx = min(have, key=lambda c: (abs(c - want), -c))
+        sizes = np.array(sorted(n for c, n in self._mean if c == ctx), dtype=np.float64)
+        values = np.minimum.accumulate([self._mean[(ctx, int(n))] for n in sizes[::-1]])[::-1]
+        return sizes, values
+
+    def estimate(self, num_tokens: int, context: float = 0) -> float | None:
         """Expected seconds for a step of ``num_tokens`` tokens (None before any measurement).
 
         Measured sizes use their average, made monotone from above (a size never costs more
@@ -82,22 +108,25 @@ class StepCostModel:
         ones are interpolated linearly; sizes beyond the largest measured one cost what it
         costs (optimistic, so they get tried), sizes below the smallest what the smallest does.
         """
-        if not self._mean:
+        found = self._sizes(context)
+        if found is None:
             return None
-        n = self.bucket(num_tokens)
-        sizes = np.array(sorted(self._mean), dtype=np.float64)
-        values = np.minimum.accumulate([self._mean[int(s)] for s in sizes[::-1]])[::-1]
-        return float(np.interp(n, sizes, values))  # flat beyond both ends
+        sizes, values = found
+        return float(np.interp(self.bucket(num_tokens), sizes, values))  # flat beyond ends
 
-    def is_clamped(self, num_tokens: int) -> bool:
+    def measured(self, num_tokens: int, context: float = 0) -> bool:
+        """True if this size has its own measurement in this context bucket."""
+        return self._key(num_tokens, context) in self._mean
+
+    def is_clamped(self, num_tokens: int, context: float = 0) -> bool:
         """True if this size's own average is above its estimate (a larger size measured
         cheaper): one of the two measurements is off, and re-measuring this one settles it."""
-        own = self._mean.get(self.bucket(num_tokens))
-        return own is not None and own > 1.05 * self.estimate(num_tokens)
+        own = self._mean.get(self._key(num_tokens, context))
+        return own is not None and own > 1.05 * self.estimate(num_tokens, context)
 
-    def is_stale(self, num_tokens: int) -> bool:
-        """True if this size was never measured or not for ``stale_after`` steps."""
-        last = self._last.get(self.bucket(num_tokens))
+    def is_stale(self, num_tokens: int, context: float = 0) -> bool:
+        """True if this size was never measured here or not for ``stale_after`` steps."""
+        last = self._last.get(self._key(num_tokens, context))
         return last is None or self.steps - last > self.stale_after
 
 
@@ -182,13 +211,14 @@ class BudgetController:
         return np.cumsum(p)
 
     def choose(self, trees: list[DraftTree], fixed_tokens: int,
-               kinds: list[str] | None = None) -> int:
+               kinds: list[str] | None = None, context: float = 0) -> int:
         """Per-request node count for this step.
 
         Args:
             trees: the proposed trees of the decoding requests (full budget).
             fixed_tokens: tokens the step runs regardless (prefill chunks of other requests).
             kinds: per tree, its acceptance rule ("greedy" default, or "sampled").
+            context: mean context length of the decoding requests (tokens).
 
         Returns:
             b: verify the first b draft nodes of every tree (fewer if a tree is smaller).
@@ -207,8 +237,9 @@ class BudgetController:
                 break  # every tree is smaller than this level: nothing new to verify
             previous = int(used.sum())
             tokens = base_tokens + previous
-            seconds = self.cost.estimate(tokens)
-            if seconds is None:  # nothing measured yet: measure plain decoding first
+            seconds = self.cost.estimate(tokens, context)
+            if seconds is None or (b == 0 and not self.cost.measured(tokens, context)):
+                self.last_choice = 0  # plain decoding is measured first, in every context
                 return 0
             value = len(trees) + sum(float(g[u]) for g, u in zip(gains, used))
             candidates.append((b, tokens, value / seconds))
@@ -226,14 +257,14 @@ class BudgetController:
             below = [c for c in candidates if c[0] < choice][-1:]
             above = [c for c in candidates if c[0] > choice][:1]
             for level, tokens, _ in below + above:
-                if self.cost.is_stale(tokens) or self.cost.is_clamped(tokens):
+                if self.cost.is_stale(tokens, context) or self.cost.is_clamped(tokens, context):
                     choice = level
                     break
         self.last_choice = choice
         return choice
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, context: float = 0) -> None:
+        self.cost.observe(num_tokens, seconds, context)
 
     def observe_tree(self, parents: np.ndarray, scores: np.ndarray, num_accepted: int,
                      depths: np.ndarray | None = None, kind: str = "greedy") -> None:

@@ -30,20 +30,22 @@ class StepClock:
         self._begin: float | None = None
         self._end = 0.0
         self._tokens = 0
+        self._context = 0.0
         self._excluded = 0.0
 
-    def step_started(self, num_tokens: int) -> tuple[int, float] | None:
-        """Marks the start of a step that runs ``num_tokens`` tokens.
+    def step_started(self, num_tokens: int, context: float) -> tuple[int, float, float] | None:
+        """Marks the start of a step that runs ``num_tokens`` tokens at mean ``context``.
 
         Returns:
-            (tokens, seconds) of the previous step, or None when it is unknown (first step,
-            or the engine was idle before this one).
+            (tokens, seconds, context) of the previous step, or None when it is unknown
+            (first step, or the engine was idle before this one).
         """
         now = time.perf_counter()
         previous = None
         if self._begin is not None and now - self._end < IDLE_GAP_S:
-            previous = (self._tokens, now - self._begin - self._excluded)
+            previous = (self._tokens, now - self._begin - self._excluded, self._context)
         self._begin, self._tokens, self._excluded = now, num_tokens, 0.0
+        self._context = context
         return previous
 
     def step_finished(self, timing: StepTiming) -> None:

@@ -150,6 +150,7 @@ class StepContext:
         backend_state: per-step data an attention backend derives once from the plan and
             reuses in every layer (its own type; None until the first layer builds it).
         timing: RECAP's own work in this step.
+        idle: RECAP skips its per-request work this step (see StepDriver._idle).
     """
 
     plan: StepPlan
@@ -159,6 +160,7 @@ class StepContext:
     accepted: dict[int, np.ndarray] = field(default_factory=dict)
     backend_state: Any = None
     timing: StepTiming = field(default_factory=StepTiming)
+    idle: bool = False
 
     @property
     def has_trees(self) -> bool:

@@ -47,6 +47,19 @@ RUNNER_ATTRIBUTES = (
 )
 
 
+# Idle mode (see StepDriver._idle): steps without drafts before idling, and the probe period.
+IDLE_AFTER = 4
+PROBE_EVERY = 16
+PROBE_WINDOW = 2
+
+
+def decode_context(plan) -> float:
+    """Mean context length (tokens in the KV cache) of the step's decoding requests, the
+    second key of the budget's cost model; 0 in a step of prefill chunks only."""
+    decoding = plan.num_computed >= plan.num_prompt
+    return float(plan.num_computed[decoding].mean()) if decoding.any() else 0.0
+
+
 @dataclass(frozen=True)
 class DriverSettings:
     """Per-engine facts the driver needs besides the RECAP config.
@@ -102,8 +115,9 @@ class StepDriver:
         self.budget = BudgetController(settings.num_spec_tokens, config.depth_discounts)
         self.adaptive = config.budget_policy is BudgetPolicy.ADAPTIVE
         self.metrics = TreeMetrics()
-        self.stats = {"steps": 0, "tree_requests": 0, "off_chain_accepts": 0,
+        self.stats = {"steps": 0, "idle_steps": 0, "tree_requests": 0, "off_chain_accepts": 0,
                       "kv_compactions": 0, "resynced": 0}
+        self._quiet = 0  # consecutive steps without scheduled drafts
         self.compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._checked_runner: Any = None
         self._busy = False  # some request holds request-local state
@@ -146,14 +160,30 @@ class StepDriver:
                           batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n])
         rewrite_positions(runner.positions,
                           runner.mrope_positions.gpu if runner.uses_mrope else None, plan)
-        ctx = StepContext(plan, proposals=proposals)
-        step = self.clock.step_started(int(num_sched.sum()))
+        ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan))
+        step = self.clock.step_started(int(num_sched.sum()), decode_context(plan))
         if step is not None:
             self.budget.observe_step(*step)
         self.stats["steps"] += 1
+        self.stats["idle_steps"] += int(ctx.idle)
         self.stats["tree_requests"] += len(plan.trees)
         ctx.timing.work += time.perf_counter() - t0
         self.scope.install(ctx)
+
+    def _idle(self, plan) -> bool:
+        """Skip RECAP's per-request work this step (rows, memory updates, proposals)?
+
+        When the budget keeps choosing no drafts (drafting does not pay for this batch, e.g.
+        under load), that work is pure overhead. After ``IDLE_AFTER`` steps without scheduled
+        drafts the driver idles, except for ``PROBE_WINDOW`` steps out of every
+        ``PROBE_EVERY``, which do the full work (their rows refresh the memories, so the
+        probe's trees are real) and let the budget decide to draft again. Both inputs are the
+        same on every tensor-parallel rank. Idle steps' tokens reach the drafter later from
+        vLLM's history (``_catch_up``); their rows are not stored.
+        """
+        self._quiet = 0 if plan.num_drafts.any() else self._quiet + 1
+        return (self.adaptive and self._quiet > IDLE_AFTER
+                and self.stats["steps"] % PROBE_EVERY >= PROBE_WINDOW)
 
     # -- verification ----------------------------------------------------------------------
 
@@ -161,7 +191,7 @@ class StepDriver:
     def sample(self, runner, original, logits: torch.Tensor, spec_decode_metadata) -> Any:
         """vLLM's sampler, then tree acceptance over its output; keeps the step's rows."""
         ctx = self.scope.current
-        if ctx is None or logits is None:
+        if ctx is None or logits is None or ctx.idle:
             return original(logits, spec_decode_metadata)
         plan = ctx.plan
         got = (list(spec_decode_metadata.num_draft_tokens) if spec_decode_metadata is not None
@@ -213,7 +243,10 @@ class StepDriver:
         """
         ctx = self.scope.current
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        if ctx is None or ctx.rows is None:
+        if ctx is None:
+            return drafts
+        if ctx.rows is None:  # an idle step: nothing to observe, nothing to propose
+            self.clock.step_finished(ctx.timing)
             return drafts
         t0 = time.perf_counter()
         self._seed_prompts(runner, ctx, hidden_states)
@@ -226,7 +259,9 @@ class StepDriver:
         b = cap
         if self.adaptive and trees:
             kinds = [self._kind(runner, ctx.plan.req_ids[i]) for i in trees]
-            b = self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan), kinds)
+            context = float(np.mean(runner.input_batch.num_tokens_no_spec[list(trees)]))
+            b = self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan), kinds,
+                                   context)
         for i, tree in trees.items():
             # Every rank records the same full tree; only the count sent to the scheduler
             # (rank 0's, from its clock) is local, and the next layout cuts by what vLLM

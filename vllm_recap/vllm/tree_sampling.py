@@ -110,6 +110,13 @@ class RequestSampling:
         return self.is_greedy or self.top_k == 1
 
     @property
+    def is_plain(self) -> bool:
+        """Greedy with nothing to process: the argmax of the raw row decides."""
+        return (self.is_greedy and not self.has_penalties and not self.allowed_token_ids
+                and not self.bad_words_token_ids and not self.logit_bias
+                and not (self.min_tokens and self.stop_token_ids))
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

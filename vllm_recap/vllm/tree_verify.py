@@ -20,7 +20,8 @@ import torch
 
 from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.tree_sampling import RequestSampling, TreeBatch, process_tree_logits
-from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees
+from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees, walk_targets
+from vllm_recap.vllm.verifier import row_argmax
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID for rejected positions
 
@@ -82,6 +83,10 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
     flat = np.concatenate(rows)
     batch = TreeBatch.from_parents(np.concatenate(req), np.concatenate(parent), node_tokens[flat])
     raw = logits[torch.from_numpy(flat).to(logits.device)]
+    if not keep_rows and all(r.is_plain for r in requests if r is not None):
+        # Plain greedy trees (the common case): the raw rows' argmax decides; no float32 copy
+        # of [N, V] and no softmax.
+        return TreeVerification(batch, offsets, walk_targets(batch, row_argmax(raw)), None, None)
     processed = process_tree_logits(raw, batch, requests)
     walk = verify_trees(processed, batch, requests)
     return TreeVerification(batch, offsets, walk, raw if keep_rows else None,
