@@ -42,7 +42,13 @@ def register() -> None:
     _registered = True
     import vllm
 
-    from vllm_recap.patches import SeamError, kernel_scan, requests, speculative_method
+    from vllm_recap.patches import (
+        SeamError,
+        kernel_scan,
+        requests,
+        scratch_blocks,
+        speculative_method,
+    )
 
     version = vllm.__version__
     try:
@@ -55,6 +61,7 @@ def register() -> None:
         kernel_scan.install()  # before the worker's kernel-override scan (see the module)
         speculative_method.install()
         requests.install()
+        scratch_blocks.install()
     except SeamError as exc:
         logger.warning("%s {'method': 'recap'} will be refused.", exc)
         speculative_method.install(refusal=str(exc))

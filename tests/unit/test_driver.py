@@ -224,3 +224,23 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     out = engine.run()
     assert out == _reference(engine.target, 90)
     assert driver.stats["tree_requests"] > 0 and driver.stats["resynced"] > 0
+
+
+def test_prompt_seeding_is_bounded_per_step():
+    from vllm_recap.vllm.seeding import PromptSeeder
+
+    engine = _engine(chunk=64)
+    driver = engine.drivers[0]
+    driver.seeder = PromptSeeder(32, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=10)
+    per_step = []
+    original = driver.seeder.choose
+
+    def choose(plan, token_ids, records):
+        picks = original(plan, token_ids, records)
+        per_step.append(sum(len(p) for _, p in picks))
+        return picks
+
+    driver.seeder.choose = choose
+    _add_all(engine, 8)
+    engine.run()
+    assert max(per_step) == 10 and driver.seeder.rows_seeded == 10

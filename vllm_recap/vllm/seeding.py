@@ -25,12 +25,17 @@ class PromptSeeder:
         max_rows: most rows per request (``prompt_seed_rows``; 0 = off).
         top_k: K of a row.
         blocked: [V] bool, tokens never seeded (image/video placeholders).
+        max_rows_per_step: most rows per engine step over all requests: each row is an
+            LM-head row (tens of microseconds to a millisecond), and a burst of arrivals must
+            not stall one step for all running requests.
     """
 
-    def __init__(self, max_rows: int, top_k: int, blocked: np.ndarray) -> None:
+    def __init__(self, max_rows: int, top_k: int, blocked: np.ndarray,
+                 max_rows_per_step: int = 128) -> None:
         self.max_rows = max_rows
         self.top_k = top_k
         self.blocked = blocked
+        self.max_rows_per_step = max_rows_per_step
         self.rows_seeded = 0
 
     def choose(self, plan: StepPlan, token_ids: np.ndarray, records: RequestBook
@@ -48,12 +53,13 @@ class PromptSeeder:
         if self.max_rows <= 0:
             return []
         picks = []
+        step_room = self.max_rows_per_step
         for i, req_id in enumerate(plan.req_ids):
             start, n_prompt = int(plan.num_computed[i]), int(plan.num_prompt[i])
-            if start >= n_prompt:
+            if start >= n_prompt or step_room <= 0:
                 continue
             seed = records.get(req_id).seed
-            room = self.max_rows - seed.num_rows
+            room = min(self.max_rows - seed.num_rows, step_room)
             if room <= 0:
                 continue
             end = min(n_prompt, start + int(plan.num_scheduled[i]))
@@ -66,6 +72,7 @@ class PromptSeeder:
             chosen = tokens[fresh][order]
             seed.seen = np.union1d(seed.seen, chosen)
             seed.num_rows += int(order.size)
+            step_room -= int(order.size)
             picks.append((i, start + first[fresh][order]))
         return picks
 

@@ -1,0 +1,155 @@
+"""What one verification pass costs, by draft nodes and context length: plain decode vs RECAP
+chain vs RECAP tree, in one run on one engine kind (issue 13's yardstick).
+
+    python -m benchmarks.verify_cost                      # SmolLM2, dtype auto, 3 contexts
+    python -m benchmarks.verify_cost --contexts 500 --nodes 1,5,17 --steps 12
+
+Every engine runs one request at a time whose drafts are forced: the drafter returns a tree
+of exactly n nodes (a chain for ``chain``, a bushy breadth-first tree of width 4 for ``tree``)
+with tokens the target never picks, so every step verifies n drafts on the same context.
+A step's time is the wall time of ``LLMEngine.step()`` (the whole pass: forward, sampling,
+RECAP's own work); the figure is the median over ``--steps`` steps after a warm-up.
+``plain`` is vLLM without speculation (one token per pass). Ratios T(n) / T_plain are what
+to read: the machine is shared and absolute times drift.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
+
+OUT = Path(__file__).resolve().parent / "results" / "verify_cost"
+WIDTH = 4  # branching of the forced bushy trees
+
+
+def forced_tree(root: int, n: int, shape: str, vocab: int):
+    """A DraftTree of n nodes (root included) whose drafts the target will not accept."""
+    from vllm_recap.core.tree import DraftTree
+
+    parents = [-1] + [(i - 1) if shape == "chain" else (i - 1) // WIDTH for i in range(1, n)]
+    tokens = [root] + [vocab - 1 - i for i in range(1, n)]  # rare ids: rejected every step
+    return DraftTree(np.array(tokens, np.int64), np.array(parents, np.int64), np.ones(n))
+
+
+def time_steps(llm, prompt: list[int], steps: int) -> list[float]:
+    """Wall seconds of each engine step of one request (after its prefill)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    engine = llm.llm_engine
+    engine.add_request("cost", TokensPrompt(prompt_token_ids=prompt),
+                       SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times[3:3 + steps]  # skip prefill and the first decodes (no drafts yet)
+
+
+def measure(model: str, dtype: str, mode: str, contexts: list[int], nodes: list[int],
+            steps: int) -> list[dict]:
+    """Rows (mode, context, nodes, median ms, p10, p90) for one engine kind."""
+    from vllm import LLM
+
+    from vllm_recap.core.drafter import Drafter
+    from vllm_recap.models.engine import engine_kwargs, shutdown_llm
+
+    size = {"n": 1}
+    shape = "chain" if mode == "chain" else "tree"
+    original = Drafter.propose
+
+    def propose(self, req_id, node_budget=None, max_depth=None):
+        if req_id == "warmup":
+            return original(self, req_id, node_budget, max_depth)
+        return forced_tree(self.history(req_id)[-1], size["n"], shape, self.vocab_size)
+
+    spec = None
+    if mode != "plain":
+        spec = {"method": "recap", "budget_policy": "fixed", "batch_node_budget": 0,
+                "node_budget": max(nodes), "suffix_len": 0, "max_depth": 64,
+                "draft_mode": "chain" if mode == "chain" else "tree"}
+    Drafter.propose = propose
+    llm = LLM(**engine_kwargs(model, dtype=dtype, kv_cache_mib=512,
+                              max_model_len=max(contexts) + 2 * steps + max(nodes) + 64,
+                              speculative_config=spec))
+    rng = np.random.default_rng(0)
+    rows = []
+    try:
+        for context in contexts:
+            prompt = rng.integers(100, 20000, context).tolist()
+            for n in ([1] if mode == "plain" else nodes):
+                size["n"] = n
+                time_steps(llm, prompt, 2)  # warm this shape
+                ms = np.array(time_steps(llm, prompt, steps)) * 1e3
+                rows.append(dict(mode=mode, context=context, nodes=n,
+                                 median_ms=float(np.median(ms)),
+                                 p10_ms=float(np.percentile(ms, 10)),
+                                 p90_ms=float(np.percentile(ms, 90))))
+    finally:
+        Drafter.propose = original
+        shutdown_llm(llm)
+    return rows
+
+
+def to_markdown(meta: dict, rows: list[dict]) -> str:
+    plain = {r["context"]: r["median_ms"] for r in rows if r["mode"] == "plain"}
+    chain = {(r["context"], r["nodes"]): r["median_ms"] for r in rows if r["mode"] == "chain"}
+    lines = [f"# Verification pass cost ({meta['model']}, {meta['dtype']}, {meta['cpu']})", "",
+             f"{meta['date']}; median of {meta['steps']} steps; T = ms per engine step of one "
+             "request verifying n tokens (root + n - 1 drafts); x plain = T / T(plain decode) "
+             "at the same context; tree/chain = tree pass over chain pass of the same n.", "",
+             "| context | n | plain ms | chain ms (x plain) | tree ms (x plain) | tree / chain |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["mode"] != "tree":
+            continue
+        c, n, t = r["context"], r["nodes"], r["median_ms"]
+        ch = chain.get((c, n))
+        p = plain.get(c)
+        cells = [f"{c}", f"{n}", f"{p:.1f}" if p else "",
+                 f"{ch:.1f} ({ch / p:.2f})" if ch and p else "",
+                 f"{t:.1f} ({t / p:.2f})" if p else f"{t:.1f}",
+                 f"{t / ch:.2f}" if ch else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import datetime
+
+    from benchmarks.machine import cpu_model, resolve_dtype
+    from vllm_recap.models import resolve_model
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.verify_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--contexts", default="100,500,1000")
+    p.add_argument("--nodes", default="1,5,9,17,33,64")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    nodes = [int(x) for x in args.nodes.split(",")]
+    model, dtype = str(resolve_model(args.model)), resolve_dtype(args.dtype)
+    rows = []
+    for mode in ("plain", "chain", "tree"):
+        rows += measure(model, dtype, mode, contexts, nodes, args.steps)
+    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), model=args.model,
+                dtype=dtype, cpu=cpu_model(), steps=args.steps)
+    result = {"meta": meta, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(result, indent=2))
+    (args.out / "summary.md").write_text(to_markdown(meta, rows))
+    print(to_markdown(meta, rows))
+    return result
+
+
+if __name__ == "__main__":
+    main()
