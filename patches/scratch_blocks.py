@@ -19,14 +19,15 @@ logger = logging.getLogger("vllm.recap")
 
 
 def scratch_block_count(num_blocks: int) -> int:
-    """Manager blocks kept out of the pool: ~3% of the cache, 4 to 128 (0 for tiny caches).
+    """Manager blocks kept out of the pool: 1/16 of the cache, 16 to 128 (0 below 64 blocks).
 
-    A step needs, per tree path other than its best chain, ceil((P mod bs + path length) /
-    bs) blocks (1-2 at 16-token blocks); trees that do not fit fall back to the dense path.
+    A step needs, per tree path other than its best chain, 1 or 2 blocks (exactly
+    ``cpu_paths.scratch_blocks_needed``): a bushy 17-node tree ~11, a chain-like one ~3.
+    Trees that do not fit fall back to the dense path, exact but slower.
     """
     if num_blocks < 64:
         return 0
-    return min(128, max(4, num_blocks // 32))
+    return min(128, max(16, num_blocks // 16))
 
 
 def scratch_block_ids(num_kernel_blocks: int, kernel_block_size: int,

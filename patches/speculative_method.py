@@ -40,6 +40,27 @@ def install(refusal: str | None = None) -> None:
 
     wrap(EngineArgs, "create_speculative_config", SEAM,
          ["self", "target_model_config", "target_parallel_config"], make)
+    wrap(EngineArgs, "create_engine_config", BLOCK_SEAM, ["self"], make_engine_config)
+
+
+BLOCK_SEAM = "EngineArgs.create_engine_config (KV block size of RECAP tree engines on CPU)"
+TREE_BLOCK_SIZE = 32
+
+
+def make_engine_config(original):
+    def create_engine_config(self, *args, **kwargs):
+        spec = self.speculative_config
+        if (isinstance(spec, dict) and spec.get("method") == "recap"
+                and spec.get("draft_mode", "tree") == "tree" and self.block_size is None
+                and _platform() == "cpu"):
+            # CPU tree attention copies each tree path's partial last prefix block into
+            # scratch every layer (vllm_recap/vllm/cpu_paths.py): 32-token blocks (the
+            # smallest vLLM's CPU kernel supports) make that copy 4x cheaper than the default
+            # 128, and plain decoding costs the same. An explicit --block-size wins.
+            self.block_size = TREE_BLOCK_SIZE
+        return original(self, *args, **kwargs)
+
+    return create_engine_config
 
 
 # Shared by the installed wrapper (installs are idempotent; a later install may arm a refusal).

@@ -226,6 +226,17 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     assert driver.stats["tree_requests"] > 0 and driver.stats["resynced"] > 0
 
 
+def test_requests_finishing_in_an_idle_step_are_freed_at_once():
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config)
+    driver = engine.drivers[0]
+    driver.budget.choose = lambda trees, prefill, kinds=None, context=0: 0
+    _add_all(engine, 30)
+    engine.run()
+    assert driver.stats["idle_steps"] > 10
+    assert driver.drafter.num_requests == 0 and len(driver.records) == 0
+
+
 def test_prompt_seeding_is_bounded_per_step():
     from vllm_recap.vllm.seeding import PromptSeeder
 

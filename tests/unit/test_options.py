@@ -67,7 +67,7 @@ def test_bad_num_speculative_tokens(n):
 
 def test_node_budget_beyond_vllms_draft_cap_is_refused_at_creation():
     """vLLM asserts at most 128 drafts per request in the middle of serving; refuse first."""
-    with pytest.raises(ValueError, match=r"up to 204 draft tokens .* verifies at most 128"):
+    with pytest.raises(ValueError, match=r"up to \d+ draft tokens .* verifies at most 128"):
         translate({"method": "recap", "node_budget": 200}, "cuda")
     # an explicit cap keeps the larger tree budget usable
     vllm_spec, recap = translate({"method": "recap", "node_budget": 200,

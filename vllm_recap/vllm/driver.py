@@ -34,6 +34,7 @@ from vllm_recap.vllm.layout import build_plan, next_prefill_tokens, rewrite_posi
 from vllm_recap.vllm.metrics import TreeMetrics, log_idle
 from vllm_recap.vllm.records import RequestBook
 from vllm_recap.vllm.seeding import PromptSeeder
+from vllm_recap.vllm.tree_verify import empty_output
 from vllm_recap.vllm.tree_verify import prepare as prepare_trees
 from vllm_recap.vllm.tree_verify import write as write_trees
 from vllm_recap.vllm.verifier import compact_kv, node_tokens_of_rows, topk_rows
@@ -207,7 +208,13 @@ class StepDriver:
             trees = prepare_trees(plan, logits, rows.node_tokens, runner,
                                   keep_rows=self._wants_logprobs(runner, plan))
         t1 = time.perf_counter()
-        out = original(logits, spec_decode_metadata)
+        if trees is not None and len(plan.trees) == len(plan.req_ids) and trees.raw is None:
+            # Every request verifies a tree and none wants logprobs: vLLM's rejection sampler
+            # would process every draft row as a chain (top-k/top-p sorts over the vocabulary
+            # included) only to be overwritten. Its output layout is built here instead.
+            out = empty_output(plan, logits.device)
+        else:
+            out = original(logits, spec_decode_metadata)
         t2 = time.perf_counter()
         if trees is not None:
             write_trees(trees, plan, out, runner.model_config.logprobs_mode)
@@ -246,6 +253,7 @@ class StepDriver:
         if ctx is None:
             return drafts
         if ctx.rows is None:  # an idle step: nothing to observe, nothing to propose
+            self._free_finished(runner, ctx, sampled_token_ids)
             self.clock.step_finished(ctx.timing)
             return drafts
         t0 = time.perf_counter()
@@ -316,6 +324,21 @@ class StepDriver:
             self.records.stop(req_id, keep_salt=False)
             return 0
         return min(self.settings.num_spec_tokens, self.settings.max_model_len - n_tokens - 1)
+
+    def _free_finished(self, runner, ctx: StepContext, sampled_token_ids) -> None:
+        """Frees requests this idle step finished (the scheduler reports them only in a next
+        step, which may never come once the engine goes quiet)."""
+        batch = runner.input_batch
+        for i, sampled in enumerate(sampled_token_ids):
+            req_id = ctx.plan.req_ids[i]
+            if not sampled or req_id not in self.records:
+                continue
+            n_tokens = int(batch.num_tokens_no_spec[i])
+            params = getattr(runner.requests.get(req_id), "sampling_params", None)
+            if surely_finished(params, sampled, n_tokens - int(batch.num_prompt_tokens[i]),
+                               n_tokens, self.settings.max_model_len):
+                self.records.stop(req_id, keep_salt=False)
+        self._note_idle()
 
     def _catch_up(self, req_id: str, record, tokens: np.ndarray, before: int) -> None:
         """Brings the drafter's history to vLLM's ``tokens[:before]``.

@@ -13,7 +13,7 @@ it (reads the tree rows, walks), :func:`write` after it (overwrites its output).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -83,6 +83,12 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
     flat = np.concatenate(rows)
     batch = TreeBatch.from_parents(np.concatenate(req), np.concatenate(parent), node_tokens[flat])
     raw = logits[torch.from_numpy(flat).to(logits.device)]
+    if not keep_rows:
+        # Greedy-equivalent rows (top_k = 1) are walked by argmax: temperature and top-k/p do
+        # not move the argmax, so skip them (they sort the vocabulary) unless logprobs of the
+        # processed rows are needed.
+        requests = [r if r is None or r.is_greedy or not r.greedy_equivalent
+                    else replace(r, temperature=0.0) for r in requests]
     if not keep_rows and all(r.is_plain for r in requests if r is not None):
         # Plain greedy trees (the common case): the raw rows' argmax decides; no float32 copy
         # of [N, V] and no softmax.
@@ -122,3 +128,14 @@ def write(ver: TreeVerification, plan: StepPlan, output, logprobs_mode: str) -> 
     lp.logprob_token_ids[dest] = ours.logprob_token_ids.to(lp.logprob_token_ids.dtype)
     lp.logprobs[dest] = ours.logprobs.to(lp.logprobs.dtype)
     lp.selected_token_ranks[dest] = ours.selected_token_ranks.to(lp.selected_token_ranks.dtype)
+
+
+def empty_output(plan: StepPlan, device: torch.device):
+    """vLLM's ``SamplerOutput`` for a step whose every request is a tree (no logprobs):
+    ``sampled_token_ids`` [B, max_spec + 1] of -1, for :func:`write` to fill."""
+    from vllm.v1.outputs import SamplerOutput
+
+    width = int(plan.num_drafts.max()) + 1
+    tokens = torch.full((len(plan.req_ids), width), PLACEHOLDER, dtype=torch.int32,
+                        device=device)
+    return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)

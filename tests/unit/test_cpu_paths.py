@@ -1,0 +1,318 @@
+"""Tree attention as root-to-leaf paths inside vLLM's CPU kernel, on a real paged cache.
+
+Each batch mixes a prefill chunk, a decode, a chain and bushy trees whose prefixes end
+mid-block, exactly at a block end and just before one (so paths straddle blocks), as an engine
+step does. Real block ids are shuffled and scratch ids are a reserved run (one test scatters
+them); unused cache slots hold large random values (a wrong block or slot shows up) and
+outputs are poisoned with NaN first (a forgotten row shows up). The oracle is the float64
+reference in ``tests/reference_attention.py``; the old CPU path (stock kernel + dense
+recompute) must agree too.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.reference_attention import tree_reference
+from vllm_recap.core.tree import DraftTree
+from vllm_recap.vllm.context import StepContext, StepScope
+from vllm_recap.vllm.cpu_paths import (
+    VirtualBatch,
+    forward_with_paths,
+    scratch_blocks_needed,
+    split_paths,
+    step_virtual_batch,
+)
+from vllm_recap.vllm.layout import build_plan, chain_parents
+
+pytestmark = pytest.mark.unit
+
+H, KVH = 4, 2
+TREE_A = [-1, 0, 1, 2, 0, 0, 4, 1, 7, 5, 2, 9]  # chain 0..3, then siblings and cousins
+TREE_B = [-1, 0, 1, 0, 1, 3, 3, 2, 5, 5]
+TREE_C = [-1, 0, 1, 2, 3, 0, 5, 6, 7, 1, 9, 10]  # deep side paths (straddle a block end)
+
+
+def _requests(bs: int):
+    """(name, prefix, scheduled tokens, parents or None for a causal run)."""
+    return [("prefill", bs + 5, 20, None), ("decode", bs - 1, 1, None),
+            ("chain", 2 * bs, 4, chain_parents(4)), ("tree_mid", bs + 9, len(TREE_A), TREE_A),
+            ("tree_end", 2 * bs, len(TREE_B), TREE_B),
+            ("tree_straddle", 2 * bs - 3, len(TREE_C), TREE_C)]
+
+
+def _impl(head_size, window=None, softcap=None, dtype=torch.float32):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_recap.vllm.cpu_backend import RecapCPUAttentionImpl
+
+    fake = SimpleNamespace(model_config=SimpleNamespace(dtype=dtype),
+                           parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+    with set_current_vllm_config(fake):
+        return RecapCPUAttentionImpl(
+            num_heads=H, head_size=head_size, scale=head_size ** -0.5, num_kv_heads=KVH,
+            alibi_slopes=None, sliding_window=window, kv_cache_dtype="auto",
+            logits_soft_cap=softcap)
+
+
+def _batch(requests, bs, hs, dtype, window=None, softcap=None, seed=0, spare=40):
+    """A step as vLLM hands it to the attention layer (K/V already in their real slots)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
+
+    impl = _impl(hs, window, softcap, dtype)
+    isa = _get_attn_isa(dtype, bs, hs, "auto")
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(p + n) // bs) for _, p, n, _ in requests]
+    pool = torch.randperm(sum(need), generator=g).tolist()  # real blocks in shuffled order
+    scratch = list(range(sum(need), sum(need) + spare))  # a reserved run, as recommended
+    kv_cache = (torch.randn(sum(need) + spare, KVH, bs, 2 * hs, generator=g) * 8).to(dtype)
+    width = max(need)
+    seqs, qs, toks, slots_all, rows = [], [], [], [], []
+    for (_, prefix, n, _), nb in zip(requests, need):
+        blocks, pool = pool[:nb], pool[nb:]
+        k = torch.randn(prefix + n, KVH, hs, generator=g).to(dtype)
+        v = torch.randn(prefix + n, KVH, hs, generator=g).to(dtype)
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(prefix + n)])
+        impl.do_kv_cache_update(layer, k[:prefix], v[:prefix], kv_cache, slots[:prefix])
+        seqs.append((k, v))
+        qs.append(torch.randn(n, H, hs, generator=g).to(dtype))
+        toks.append((k[prefix:], v[prefix:]))
+        slots_all.append(slots[prefix:])
+        rows.append(blocks + [0] * (width - nb))
+    key = torch.cat([t[0] for t in toks])
+    value = torch.cat([t[1] for t in toks])
+    slot_mapping = torch.cat(slots_all)
+    impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+    n_tok = [r[2] for r in requests]
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(n_tok)]), dtype=torch.int32)
+    seq_lens = torch.tensor([r[1] + r[2] for r in requests], dtype=torch.int32)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(requests), num_heads=H, num_kv_heads=KVH, head_dim=hs, seq_lens=seq_lens,
+        dtype=dtype, query_start_loc=qsl, causal=True,
+        sliding_window_size=-1 if window is None else window, isa=isa, enable_kv_split=True)
+    meta = CPUAttentionMetadata(
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(n_tok), query_start_loc=qsl,
+        max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
+        block_table=torch.tensor(rows, dtype=torch.int32), slot_mapping=slot_mapping,
+        scheduler_metadata=sched)
+    names = [r[0] for r in requests]
+    trees = {r[0]: DraftTree(np.zeros(r[2], np.int64), np.asarray(r[3]), np.ones(r[2]))
+             for r in requests if r[3] is not None}
+    plan = build_plan(names, np.array(n_tok), qsl.numpy(),
+                      {name: t.draft_tokens.tolist() for name, t in trees.items()}, trees,
+                      np.array([r[1] for r in requests]), np.ones(len(requests), np.int64))
+    return SimpleNamespace(impl=impl, layer=layer, kv_cache=kv_cache, meta=meta, plan=plan,
+                           query=torch.cat(qs), key=key, value=value, qs=qs, seqs=seqs,
+                           requests=requests, qsl=qsl, free=scratch, bs=bs, hs=hs)
+
+
+def _run_paths(b, scratch=None):
+    ctx = StepContext(b.plan)
+    vb = VirtualBatch.build(b.plan, b.meta, b.bs, b.free if scratch is None else scratch)
+    out = torch.full((b.query.shape[0], H * b.hs), float("nan"), dtype=b.query.dtype)
+    forward_with_paths(b.impl, b.layer, b.query, b.key, b.value, b.kv_cache, b.meta, vb, out,
+                       ctx)
+    return out.view(-1, H, b.hs), ctx, vb
+
+
+def _run_old(b):
+    ctx, scope = StepContext(b.plan), StepScope()
+    b.impl.bind_step_scope(scope)
+    scope.install(ctx)
+    out = torch.full((b.query.shape[0], H * b.hs), float("nan"), dtype=b.query.dtype)
+    b.impl.forward(b.layer, b.query, b.key, b.value, b.kv_cache.clone(), b.meta, out)
+    scope.clear()
+    return out.view(-1, H, b.hs)
+
+
+def _references(b, window=-1, softcap=0.0):
+    refs = []
+    for r, (_, prefix, n, parents) in enumerate(b.requests):
+        k, v = b.seqs[r]
+        refs.append(tree_reference(b.qs[r], k, v, chain_parents(n) if parents is None
+                                   else parents, prefix, b.hs ** -0.5, window, softcap))
+    return torch.cat(refs)
+
+
+def _max_err(out, ref) -> float:
+    return float((out.float() - ref.float()).abs().max())
+
+
+# --- the path split ---------------------------------------------------------------------------
+
+def test_split_paths_golden():
+    s = split_paths(np.array(TREE_A))
+    assert s.nodes == ((0, 1, 2, 3), (0, 4, 6), (0, 1, 7, 8), (0, 1, 2, 10), (0, 5, 9, 11))
+    assert s.shared == (0, 1, 2, 3, 1)
+    assert s.donor == (-1, 0, 0, 0, 0)
+    assert s.on_chain == (4, 1, 2, 3, 1)
+    assert s.order == (0, 1, 2, 3, 4, 6, 7, 8, 10, 5, 9, 11)
+
+
+def test_split_paths_chain_is_one_path_and_donors_chain():
+    assert split_paths(chain_parents(4)).nodes == ((0, 1, 2, 3),)
+    s = split_paths(np.array([-1, 0, 0, 2, 2, 4, 4]))  # branches off a non-chain path
+    assert s.nodes == ((0, 1), (0, 2, 3), (0, 2, 4, 5), (0, 2, 4, 6))
+    assert s.donor == (-1, 0, 1, 2) and s.shared == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("parents", [[0, 0], [-1, 1], [-1, 0, 3, 1], []])
+def test_split_paths_rejects_non_trees(parents):
+    with pytest.raises(ValueError, match="parents-first"):
+        split_paths(np.array(parents, np.int64))
+
+
+@pytest.mark.parametrize("prefix, expected", [(64, 2), (70, 2), (62, 3), (61, 4)])
+def test_scratch_blocks_needed(prefix, expected):
+    # TREE_C at bs 32: side paths [0,5,6,7,8] (shares 1) and [0,1,9,10,11] (shares 2), nodes
+    # at P..P+4. From 62 the first one's owned positions 63..66 straddle the block end at 64
+    # (2 blocks); the second owns 64..66 only and reuses block 1 (1 block). From 61 both
+    # straddle.
+    assert scratch_blocks_needed(np.array(TREE_C), prefix, 32) == expected
+    assert scratch_blocks_needed(chain_parents(5), prefix, 32) == 0
+
+
+# --- exactness on a real paged cache ------------------------------------------------------------
+
+CASES = [  # (dtype, block size, head size, window, softcap)
+    (torch.float32, 32, 64, None, None), (torch.float32, 128, 128, None, None),
+    (torch.float32, 32, 128, 7, None), (torch.float32, 128, 64, None, 30.0),
+    (torch.float32, 64, 64, 5, 20.0), (torch.float32, 32, 80, None, None),  # 80: "vec16" ISA
+    (torch.bfloat16, 32, 64, None, None), (torch.bfloat16, 128, 128, 7, 30.0),
+]
+
+
+@pytest.mark.parametrize("dtype, bs, hs, window, softcap", CASES)
+def test_paths_match_float64_reference_and_old_path(dtype, bs, hs, window, softcap):
+    b = _batch(_requests(bs), bs, hs, dtype, window, softcap)
+    real = [int(x) for x in b.meta.block_table.flatten().unique()]
+    before = b.kv_cache[real].clone()
+    out, ctx, vb = _run_paths(b)
+    assert not torch.isnan(out).any(), "a row was left unwritten"
+    assert torch.equal(b.kv_cache[real], before), "the real blocks were modified"
+    assert vb.dense == () and vb.scratch_used > 0 and not vb.identity
+    ref = _references(b, -1 if window is None else window, softcap or 0.0)
+    old = _run_old(b)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _max_err(out, ref) <= tol
+    assert _max_err(out, old) <= tol
+    # one stash entry per tree request, with the nodes' own K/V and real slots
+    assert [e.batch_index for e in ctx.kv_stash] == [3, 4, 5]
+    e = ctx.kv_stash[0]
+    qs = int(b.qsl[3])
+    assert torch.equal(e.key, b.key[qs:qs + len(TREE_A)])
+    assert torch.equal(e.slots, b.meta.slot_mapping[qs:qs + len(TREE_A)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_tree_rows_equal_the_stock_kernel(dtype):
+    """Prefill, decode and chain rows are the stock kernel's, bit for bit (here: no request is
+    long enough for the kernel to split its KV across threads, which depends on the batch)."""
+    b = _batch(_requests(32), 32, 64, dtype)
+    out, _, _ = _run_paths(b)
+    stock = torch.full_like(out, float("nan"))
+    super(type(b.impl), b.impl).forward(b.layer, b.query, b.key, b.value, b.kv_cache,
+                                        b.meta, stock.view(out.shape[0], -1))
+    end = int(b.qsl[3])
+    assert torch.equal(out[:end], stock[:end])
+
+
+def test_scattered_scratch_ids_give_the_same_result():
+    """Scratch ids that are no run are copied with index_copy_ instead of one copy_."""
+    b = _batch(_requests(32), 32, 64, torch.float32)
+    run_out, _, run_vb = _run_paths(b)
+    shuffled = [b.free[i] for i in torch.randperm(len(b.free)).tolist()]
+    out, _, vb = _run_paths(b, shuffled)
+    assert all(c.first >= 0 for c in run_vb.tail_copies)
+    assert any(c.first < 0 for c in vb.tail_copies)
+    assert torch.equal(out, run_out)
+
+
+def test_scratch_shortage_falls_back_to_dense_recompute():
+    b = _batch(_requests(32), 32, 64, torch.float32)
+    need = [scratch_blocks_needed(np.array(t), p, 32)
+            for t, p in ((TREE_A, 41), (TREE_B, 64), (TREE_C, 61))]
+    scratch = b.free[:need[0] + need[2]]  # tree_mid fits, tree_end does not, tree_straddle does
+    out, ctx, vb = _run_paths(b, scratch)
+    assert [t.batch_index for t in vb.dense] == [4]
+    assert vb.scratch_used == need[0] + need[2]
+    assert not torch.isnan(out).any()
+    assert _max_err(out, _references(b)) <= 1e-5
+    _, _, none = _run_paths(b, [])
+    assert [t.batch_index for t in none.dense] == [3, 4, 5] and none.scratch_used == 0
+
+
+def test_scratch_blocks_outside_the_given_list_are_untouched():
+    b = _batch(_requests(32), 32, 64, torch.float32)
+    before = b.kv_cache.clone()
+    _, _, vb = _run_paths(b)
+    changed = (b.kv_cache != before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(changed) <= set(b.free[:vb.scratch_used])
+
+
+def test_step_virtual_batch_is_built_once_per_metadata():
+    b = _batch(_requests(32), 32, 64, torch.float32)
+    ctx = StepContext(b.plan)
+    vb = step_virtual_batch(ctx, b.meta, 32, b.free)
+    assert step_virtual_batch(ctx, b.meta, 32, b.free) is vb
+    sched = vb.scheduler_metadata(b.impl, torch.float32, b.layer.isa)
+    assert vb.scheduler_metadata(b.impl, torch.float32, b.layer.isa) is sched
+
+
+def test_tree_size_mismatch_is_an_error():
+    b = _batch(_requests(32), 32, 64, torch.float32)
+    b.plan.trees[0].parents = b.plan.trees[0].parents[:-1]
+    b.plan.trees[0].depths = b.plan.trees[0].depths[:-1]
+    with pytest.raises(ValueError, match="tree request 3"):
+        VirtualBatch.build(b.plan, b.meta, 32, b.free)
+
+
+@st.composite
+def _trees(draw):
+    n = draw(st.integers(2, 24))
+    chain = draw(st.integers(0, n - 1))
+    parents = [-1] + list(range(chain))
+    for i in range(chain + 1, n):
+        parents.append(draw(st.integers(0, i - 1)))
+    return parents
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trees=st.lists(_trees(), min_size=1, max_size=3), prefixes=st.lists(
+    st.integers(1, 100), min_size=3, max_size=3), bs=st.sampled_from([32, 64]),
+    window=st.sampled_from([None, 3, 16]))
+def test_random_trees_match_reference(trees, prefixes, bs, window):
+    requests = [("decode", 33, 1, None)] + [
+        (f"t{i}", p, len(t), t) for i, (t, p) in enumerate(zip(trees, prefixes))]
+    b = _batch(requests, bs, 64, torch.float32, window, seed=len(trees) + prefixes[0])
+    out, _, vb = _run_paths(b)
+    assert vb.dense == ()
+    assert not torch.isnan(out).any()
+    assert _max_err(out, _references(b, -1 if window is None else window)) <= 1e-5
+
+
+def test_cost_benchmark_smoke(capsys):
+    """The micro-benchmark runs (tiny size), so it cannot rot."""
+    from benchmarks.cpu_tree_attention_cost import main
+
+    rows = main(["--dtypes", "float32", "--prefixes", "40", "--sizes", "1,5", "--repeats", "2",
+                 "--evict-mib", "0", "--block-size", "32"])
+    assert [r["shape"] for r in rows] == ["decode", "bushy", "chain-like"]
+    assert all(r["stock_us"] > 0 and r["paths_us"] > 0 for r in rows)
+    assert "paths/stock" in capsys.readouterr().out
+
+
+def test_block_size_mismatch_is_an_error():
+    b = _batch(_requests(32), 32, 64, torch.float32)
+    vb = VirtualBatch.build(b.plan, b.meta, 64, b.free)
+    out = torch.empty(b.query.shape[0], H * 64)
+    with pytest.raises(ValueError, match="block size 64, cache has 32"):
+        forward_with_paths(b.impl, b.layer, b.query, b.key, b.value, b.kv_cache, b.meta, vb,
+                           out, StepContext(b.plan))
