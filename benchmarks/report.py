@@ -16,6 +16,17 @@ Definitions (design.md, section 5):
   verified a draft at all: the adaptive budget may choose none).
 - ms/pass (batch 1): seconds per target pass; step ms (load): wall time per engine step.
 - With ``--repeats`` > 1 a prompt's seconds are the median over repeats, its counters the mean.
+- tree share (RECAP methods, batch 1; from the proposer's own counters, ``StepDriver.stats``,
+  taken per request): ``tree_share`` = tree verifications / drafted request-steps, where a
+  tree verification is a request-step whose verified draft branched (``tree_requests``; a
+  single path, whether chain mode or a tree cut to its first path, is not one) and a drafted
+  request-step is one that verified at least one draft token (vLLM's ``drafts``); also
+  ``tree_pass_share`` = tree verifications / target passes, ``tree_request_share`` = requests
+  with at least one tree verification / requests, and ``off_chain_share`` = tree
+  verifications whose accepted path left the tree's best chain / tree verifications.
+- Sampling settings (``--sampling``, benchmarks.sampling): every table outside the sampling
+  sections is ``greedy``; jobs are keyed by setting and paired against ``none`` under the
+  same setting; for sampled settings token identity with ``none`` is not expected (n/a).
 """
 from __future__ import annotations
 
@@ -28,6 +39,7 @@ import numpy as np
 from benchmarks.methods import ABLATION_REFERENCE, ablation
 
 COUNTER_KEYS = ("drafts", "draft_tokens", "accepted_tokens")
+TREE_KEYS = ("tree_steps", "off_chain_accepts")  # RECAP's per-request tree counts (batch 1)
 # Share of all CPUs used by other processes above which a measurement is flagged: on a 2-core
 # machine 0.10 is a fifth of one core, already enough to stall the engine's 2-thread pool often.
 CONTENDED = 0.10
@@ -110,10 +122,10 @@ def merge_requests(jobs: list[dict]) -> dict[str, dict]:
     out = {}
     for pid, recs in grouped.items():
         first = recs[0]
-        merged = {k: v for k, v in first.items() if k not in ("seconds", *COUNTER_KEYS)}
+        merged = {k: v for k, v in first.items() if k not in ("seconds", *COUNTER_KEYS, *TREE_KEYS)}
         merged["seconds"] = statistics.median(r["seconds"] for r in recs)
         merged["seconds_all"] = [r["seconds"] for r in recs]
-        for key in COUNTER_KEYS:
+        for key in (*COUNTER_KEYS, *TREE_KEYS):
             if key in first:
                 merged[key] = statistics.fmean(r.get(key, 0) for r in recs)
         merged["consistent"] = all(r["output_ids"] == first["output_ids"] for r in recs)
@@ -163,6 +175,7 @@ def prompt_figures(recs: dict[str, dict], baseline: dict[str, dict] | None) -> d
         "foreign_cpu": max((r["foreign_cpu"] for r in recs.values() if r.get("foreign_cpu") is not None),
                            default=None),
     }
+    out.update(tree_figures(recs, drafts, passes))
     if baseline is not None:
         common = [pid for pid in recs if pid in baseline]
         diffs = {pid: first_difference(recs[pid]["output_ids"], baseline[pid]["output_ids"])
@@ -174,9 +187,31 @@ def prompt_figures(recs: dict[str, dict], baseline: dict[str, dict] | None) -> d
     return out
 
 
-def _jobs(results: list[dict], method: str, phase: str, concurrency: int = 1) -> list[dict]:
+def tree_figures(recs: dict[str, dict], drafts: float, passes: float) -> dict:
+    """RECAP's tree share over a set of prompts (see the module's definitions); empty when no
+    record carries tree counts (not RECAP, or not batch 1)."""
+    with_counts = [r for r in recs.values() if "tree_steps" in r]
+    if not with_counts:
+        return {}
+    trees = sum(r["tree_steps"] for r in with_counts)
+    off_chain = sum(r.get("off_chain_accepts", 0) for r in with_counts)
+    requests = sum(r["tree_steps"] > 0 for r in with_counts)
+    return {
+        "tree_steps": trees,
+        "tree_share": trees / drafts if drafts else None,
+        "tree_pass_share": trees / passes if passes > 0 else None,
+        "requests_with_trees": requests,
+        "tree_request_share": requests / len(with_counts),
+        "off_chain_share": off_chain / trees if trees else None,
+    }
+
+
+def _jobs(results: list[dict], method: str, phase: str, concurrency: int = 1,
+          sampling: str = "greedy") -> list[dict]:
+    """A method's jobs of one phase, concurrency and sampling setting (results without a
+    setting are greedy: older runs)."""
     return [r for r in results if r["method"] == method and r["phase"] == phase
-            and r["concurrency"] == concurrency]
+            and r["concurrency"] == concurrency and r.get("sampling", "greedy") == sampling]
 
 
 def _ok(jobs: list[dict]) -> list[dict]:
@@ -193,13 +228,16 @@ def error_line(jobs: list[dict]) -> str | None:
 
 
 def phase_rows(results: list[dict], methods: list[str], phase: str,
-               group_by: str | None = None) -> list[dict]:
+               group_by: str | None = None, sampling: str = "greedy",
+               identity: bool = True) -> list[dict]:
     """One row per method (per group value too, with ``group_by`` = a record field such as
-    ``category`` or ``turn``) of a batch-1 phase, paired against ``none``."""
-    baseline = merge_requests(_ok(_jobs(results, "none", phase)))
+    ``category`` or ``turn``) of a batch-1 phase under one sampling setting, paired against
+    ``none`` under the same setting. ``identity=False`` (sampled settings): no token identity
+    check; ``identical`` is None and ``identity`` says "n/a"."""
+    baseline = merge_requests(_ok(_jobs(results, "none", phase, 1, sampling)))
     rows = []
     for method in methods:
-        jobs = _jobs(results, method, phase)
+        jobs = _jobs(results, method, phase, 1, sampling)
         if not jobs:
             continue
         recs = merge_requests(_ok(jobs))
@@ -208,6 +246,8 @@ def phase_rows(results: list[dict], methods: list[str], phase: str,
         for g in groups:
             sub = {pid: r for pid, r in recs.items() if g is None or r[group_by] == g}
             row = {"method": method, **prompt_figures(sub, base), "error": error_line(jobs)}
+            if not identity and base is not None:
+                row.update(identical=None, compared=None, first_differences={}, identity="n/a")
             if group_by:
                 row[group_by] = g
             if g is None:
@@ -334,16 +374,12 @@ def findings(summary: dict) -> list[str]:
     out = list(summary.get("contended_jobs", []))
     for table in ("overall", "two_turn", "multimodal", "ablations"):
         for row in summary.get(table, []):
-            label = f"{row['method']}" + (f" turn {row['turn']}" if row.get("turn") else "")
-            if row.get("error"):
-                out.append(f"{table}: {label} failed: {row['error']}")
-            elif row.get("compared") and row.get("identical") is not None and row["identical"] < row["compared"]:
-                where = row.get("first_differences") or {}
-                detail = ", ".join(f"{pid} at token {pos}" for pid, pos in list(where.items())[:5])
-                out.append(f"{table}: {label} output differs from none on "
-                           f"{row['compared'] - row['identical']} of {row['compared']} prompts ({detail})")
-            if row.get("consistent_repeats") is False:
-                out.append(f"{table}: {label} produced different tokens in different repeats")
+            out += _row_findings(table, row)
+    for section in summary.get("sampling", []):
+        if section["name"] != "greedy":  # greedy's rows are the overall table's
+            for row in section["rows"]:
+                out += _row_findings(f"sampling {section['name']}", row)
+        out += section.get("notes", [])
     for row in summary.get("load", []):
         if row.get("error"):
             out.append(f"load c={row['concurrency']}: {row['method']} failed: {row['error']}")
@@ -365,10 +401,32 @@ def findings(summary: dict) -> list[str]:
     return out
 
 
+def _row_findings(table: str, row: dict) -> list[str]:
+    """A batch-1 row's failure, differences from ``none`` (where identity is expected) and
+    repeats that disagree."""
+    out = []
+    label = f"{row['method']}" + (f" turn {row['turn']}" if row.get("turn") else "")
+    if row.get("error"):
+        out.append(f"{table}: {label} failed: {row['error']}")
+    elif row.get("compared") and row.get("identical") is not None and row["identical"] < row["compared"]:
+        where = row.get("first_differences") or {}
+        detail = ", ".join(f"{pid} at token {pos}" for pid, pos in list(where.items())[:5])
+        out.append(f"{table}: {label} output differs from none on "
+                   f"{row['compared'] - row['identical']} of {row['compared']} prompts ({detail})")
+    if row.get("consistent_repeats") is False:
+        out.append(f"{table}: {label} produced different tokens in different repeats")
+    return out
+
+
 def build_summary(results: list[dict], methods: list[str], concurrencies: list[int],
                   ablations: list[str], mm_methods: list[str], load_methods: list[str] | None = None,
-                  two_turn_methods: list[str] | None = None) -> dict:
-    """Every table of the report as lists of row dicts (see benchmarks.markdown)."""
+                  two_turn_methods: list[str] | None = None, sampling: list[str] | None = None,
+                  sampling_methods: list[str] | None = None, sampling_seed: int = 0) -> dict:
+    """Every table of the report as lists of row dicts (see benchmarks.markdown).
+
+    ``sampling``: the run's setting names; anything besides ``greedy`` adds ``sampling`` (one
+    section per setting, benchmarks.report_sampling) and ``sampling_targets``.
+    """
     load_methods = list(dict.fromkeys(methods + (load_methods or [])))
     summary = {
         "overall": phase_rows(results, methods, "spec_bench"),
@@ -378,6 +436,12 @@ def build_summary(results: list[dict], methods: list[str], concurrencies: list[i
         "multimodal": phase_rows(results, mm_methods, "multimodal"),
         "ablations": ablation_rows(results, ablations) if ablations else [],
     }
+    if sampling and sampling != ["greedy"]:
+        from benchmarks import report_sampling  # imports this module
+
+        summary["sampling"] = report_sampling.sections(results, sampling, sampling_methods or methods,
+                                                       sampling_seed)
+        summary["sampling_targets"] = report_sampling.targets(summary["sampling"])
     summary["contended_jobs"] = contended(results)
     summary["findings"] = findings(summary)
     return summary

@@ -1,10 +1,14 @@
-"""RECAP against every peer, side by side, on one engine, model and prompt set; greedy.
+"""RECAP against every peer, side by side, on one engine, model and prompt set; greedy, and
+optionally under other sampling settings.
 
     python -m benchmarks.run --quick          # README main job: core methods, 4 short prompts
     python -m benchmarks.run                  # full: all workloads, concurrency 1/4/16, ablations
     python -m benchmarks.run --methods budgets --per-category 5 --max-new-tokens 128 \\
         --workloads spec_bench --concurrency 1 --ablations none      # fixed budgets 4..32
     python -m benchmarks.run --model gemma3 --methods none,ngram,recap-tree
+    python -m benchmarks.run --per-category 2 --max-new-tokens 128 --workloads spec_bench \\
+        --concurrency 1 --ablations none --sampling greedy,qwen_vl,qwen_text,t1 \\
+        --methods none,ngram,suffix,recap-chain,recap-tree     # issue 12's sampled workloads
 
 Methods (``--methods``, names or groups; see benchmarks/methods.py):
   core      none, ngram, suffix, token-recycling, recap-chain, recap-tree
@@ -12,8 +16,13 @@ Methods (``--methods``, names or groups; see benchmarks/methods.py):
   ablations the six paper ablations at a fixed budget of 16 (with recap-tree-b16 as reference)
   also      token-recycling-80 (paper's 80-node template), abl-backoff-only
 
-Every (method, workload, concurrency, repeat) runs in a fresh process and engine; batch-1
-prompts are timed one at a time and paired per prompt against ``none`` from the same run.
+Sampling settings (``--sampling``, see benchmarks/sampling.py): greedy (default), qwen_vl,
+qwen_text, t1. Greedy runs everything selected; every other setting adds the batch-1 Spec-Bench
+jobs of ``--sampling-methods`` under that setting, paired against ``none`` under the same setting.
+
+Every (method, workload, concurrency, sampling setting, repeat) runs in a fresh process and
+engine; batch-1 prompts are timed one at a time and paired per prompt against ``none`` from the
+same run.
 Results: ``<out>/result.json`` (everything, outputs included), ``<out>/summary.md``, three PNG
 plots, per-job logs under ``<out>/jobs/``. The full default mode takes hours on a 2-core CPU
 (about 13 categories x 5 prompts x 128 tokens per method and phase at ~10 tokens/s); select
@@ -38,6 +47,7 @@ from benchmarks import report  # noqa: E402
 from benchmarks.harness_worker import REPO, preload, run_isolated, write_json  # noqa: E402
 from benchmarks.machine import machine_info, resolve_dtype, suffix_status  # noqa: E402
 from benchmarks.methods import ABLATION_REFERENCE, METHODS, expand  # noqa: E402
+from benchmarks.sampling import GREEDY, SAMPLINGS, job_sampling, parse_settings  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     SPEC_BENCH,
     multimodal_items,
@@ -104,6 +114,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mm-prompts", type=int, default=4, help="image prompts (default: 4, max 6)")
     p.add_argument("--mm-model", default=None,
                    help="vision-language model folder (default: build the tiny random Qwen2.5-VL, seed 0)")
+    p.add_argument("--sampling", default=GREEDY,
+                   help=f"comma list of sampling settings: {', '.join(SAMPLINGS)} (default: greedy). "
+                        "greedy runs every selected workload as always; each other setting adds "
+                        "the batch-1 Spec-Bench prompts under it, paired against none under the "
+                        "same setting (greedy = temperature 0; qwen_vl = T 0.1, top_k 1, top_p "
+                        "0.001, rep 1.05, greedy-equivalent; qwen_text = T 0.7, top_p 0.8, top_k "
+                        "20, rep 1.05; t1 = T 1.0)")
+    p.add_argument("--sampling-methods", default=None,
+                   help="methods run under the settings other than greedy (default: --methods; "
+                        "none is always added)")
+    p.add_argument("--sampling-seed", type=int, default=0,
+                   help="base of the fixed per-request seeds of sampled settings (a request's "
+                        "seed depends on it and the prompt id only); -1: unseeded (default: 0)")
     p.add_argument("--dtype", default="auto",
                    help="auto = bfloat16 if the CPU has AVX-512 BF16, else float32 (emulated bf16 "
                         "is slower and inexact here); or any vLLM dtype (default: auto)")
@@ -125,6 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    try:
+        parse_settings(args.sampling)
+    except ValueError as e:
+        p.error(str(e))
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -157,6 +184,9 @@ class Plan:
         self.args = args
         # none is always run: every speedup, identity check and turn-2 prompt comes from it
         self.methods = expand("none," + args.methods)
+        self.settings = parse_settings(args.sampling)
+        self.greedy = GREEDY in self.settings
+        self.sampling_methods = expand("none," + (args.sampling_methods or args.methods))
         self.workloads = _csv(args.workloads)
         unknown = sorted(set(self.workloads) - set(WORKLOADS))
         if unknown:
@@ -166,12 +196,15 @@ class Plan:
             m for m in expand(args.ablations) if m != ABLATION_REFERENCE]
         self.load_methods = expand("none," + (args.load_methods or args.methods))
         self.two_turn_methods = expand("none," + (args.two_turn_methods or args.methods))
-        self.mm_methods = expand("none," + args.mm_methods) if "multimodal" in self.workloads else []
+        self.mm_methods = (expand("none," + args.mm_methods)
+                           if "multimodal" in self.workloads and self.greedy else [])
+        if not self.greedy:  # only the other settings' batch-1 Spec-Bench jobs run
+            self.ablations, self.load_methods, self.two_turn_methods = [], [], []
         self.prompts = spec_bench_prompts(tokenizer, args.per_category, _csv(args.categories) or None,
                                           args.data, args.max_prompt_tokens)
         self.conversations = (two_turn_conversations(tokenizer, args.two_turn_per_category,
                                                      _csv(args.two_turn_categories) or None, args.data)
-                              if "two_turn" in self.workloads else [])
+                              if "two_turn" in self.workloads and self.greedy else [])
         self.mm_items = multimodal_items(args.mm_prompts) if self.mm_methods else []
         self.warmup_ids = render(tokenizer, [WARMUP_TEXT])
         longest = max([len(p.token_ids) for p in self.prompts] +
@@ -189,19 +222,33 @@ class Plan:
         extra = [ABLATION_REFERENCE, *self.ablations] if self.ablations else []
         return list(dict.fromkeys(self.methods + extra))
 
-    def _job(self, method: str, phase: str, concurrency: int, repeat: int, **payload) -> dict:
-        return {"name": f"{method}/{phase}/c{concurrency}/r{repeat}", "method": method,
+    def _job(self, method: str, phase: str, concurrency: int, repeat: int,
+             sampling: str = GREEDY, **payload) -> dict:
+        # greedy jobs keep their historical names (and log file names)
+        where = phase if sampling == GREEDY else f"{phase}/{sampling}"
+        return {"name": f"{method}/{where}/c{concurrency}/r{repeat}", "method": method,
                 "phase": phase, "concurrency": concurrency, "repeat": repeat,
+                "sampling": job_sampling(sampling, self.args.sampling_seed),
                 "speculative_config": METHODS[method].config, "engine": self.engine,
                 "max_new_tokens": self.args.max_new_tokens, "ignore_eos": self.args.ignore_eos,
                 "warmup_ids": self.warmup_ids, **payload}
 
     def _repeat(self, r: int) -> list[dict]:
-        """One repeat: batch 1, two-turn, load, multimodal; odd repeats reverse method order
-        (ABBA) so a drift in machine speed does not favour the methods that run first."""
+        """One repeat: greedy's jobs (if greedy is selected), then each other setting's batch-1
+        Spec-Bench jobs; odd repeats reverse method order (ABBA) so a drift in machine speed
+        does not favour the methods that run first."""
         order = (lambda ms: ms) if r % 2 == 0 else (lambda ms: ms[::-1])
-        jobs: list[dict] = []
         prompts = [p.to_dict() for p in self.prompts]
+        jobs = self._greedy_jobs(r, order, prompts) if self.greedy else []
+        for setting in self.settings:
+            if setting != GREEDY:
+                jobs += [self._job(m, "spec_bench", 1, r, setting, prompts=prompts)
+                         for m in order(self.sampling_methods)]
+        return jobs
+
+    def _greedy_jobs(self, r: int, order, prompts: list[dict]) -> list[dict]:
+        """Greedy's jobs of repeat ``r``: batch 1, two-turn, load, multimodal."""
+        jobs: list[dict] = []
         if "spec_bench" in self.workloads or self.ablations:
             names = self.batch1_methods() if "spec_bench" in self.workloads else \
                 [ABLATION_REFERENCE, *self.ablations]
@@ -280,15 +327,18 @@ def main(argv: list[str] | None = None) -> dict:
             shutil.rmtree(Path(plan.mm_dir).parent, ignore_errors=True)
     summary = report.build_summary(results, plan.methods, plan.concurrency if "spec_bench" in
                                    plan.workloads else [], plan.ablations, plan.mm_methods,
-                                   plan.load_methods, plan.two_turn_methods)
+                                   plan.load_methods, plan.two_turn_methods, plan.settings,
+                                   plan.sampling_methods, args.sampling_seed)
     model_name = args.model if args.model in ("smollm2", "gemma3") else Path(model).name
+    listed = ((plan.batch1_methods() if plan.greedy else []) + plan.load_methods +
+              plan.two_turn_methods + plan.mm_methods +
+              (plan.sampling_methods if plan.settings != [GREEDY] else []))
     result = {
         "date": started, "args": vars(args), "machine": machine,
         "load_average_end": list(os.getloadavg()), "model": model, "model_name": model_name,
         "dtype": dtype, "engine": plan.engine, "suffix": suffix_status(),
         "methods": {m: {"config": METHODS[m].config, "about": METHODS[m].about}
-                    for m in dict.fromkeys(plan.batch1_methods() + plan.load_methods +
-                                           plan.two_turn_methods + plan.mm_methods)},
+                    for m in dict.fromkeys(listed)},
         "categories": list(dict.fromkeys(p.category for p in plan.prompts)),
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "prompt_tokens": len(p.token_ids)}
                     for p in plan.prompts],

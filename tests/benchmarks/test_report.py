@@ -224,3 +224,202 @@ def test_unknown_categories_are_named_with_the_known_ones():
         load_spec_bench(categories=["nope"])
     with pytest.raises(ValueError, match=r"Unknown two-turn categories \['qa'\]"):
         two_turn_conversations(None, 1, ["qa"])  # qa rows have one turn only
+
+
+# -- sampling settings ----------------------------------------------------------------------
+
+def test_sampling_settings_parse_seed_and_job_data():
+    from benchmarks.sampling import SAMPLINGS, job_sampling, parse_settings, request_seed
+
+    assert parse_settings("greedy, qwen_vl,t1,greedy") == ["greedy", "qwen_vl", "t1"]
+    with pytest.raises(ValueError, match="Unknown sampling setting 'hot'; known: greedy, qwen_vl"):
+        parse_settings("greedy,hot")
+    with pytest.raises(ValueError, match="no sampling setting"):
+        parse_settings(" , ")
+    assert SAMPLINGS["qwen_vl"].params == {"temperature": 0.1, "top_k": 1, "top_p": 0.001,
+                                           "repetition_penalty": 1.05}
+    assert SAMPLINGS["qwen_text"].params == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                             "repetition_penalty": 1.05}
+    assert [n for n, s in SAMPLINGS.items() if s.deterministic] == ["greedy", "qwen_vl"]
+    # a request's seed depends on the base seed and the prompt only (same for every method)
+    assert request_seed(0, "sb1") == request_seed(0, "sb1") != request_seed(0, "sb2")
+    assert request_seed(1, "sb1") != request_seed(0, "sb1") and 0 <= request_seed(0, "sb1") < 2**31
+    assert request_seed(None, "sb1") is None and request_seed(-1, "sb1") is None
+    # deterministic settings are never seeded; a negative base seed drops the seeds
+    assert job_sampling("greedy", 0) == {"name": "greedy", "params": {"temperature": 0.0}, "seed": None}
+    assert job_sampling("qwen_vl", 0)["seed"] is None
+    assert job_sampling("t1", 5) == {"name": "t1", "params": {"temperature": 1.0}, "seed": 5}
+    assert job_sampling("qwen_text", -1)["seed"] is None
+
+
+def test_sampling_params_of_a_job():
+    from benchmarks.sampling import job_sampling, request_seed, sampling_params
+
+    greedy = sampling_params(None, 16, True)
+    assert greedy.temperature == 0.0 and greedy.max_tokens == 16 and greedy.ignore_eos and greedy.seed is None
+    text = sampling_params(job_sampling("qwen_text", 3), 8, False, "sb7")
+    assert (text.temperature, text.top_p, text.top_k, text.repetition_penalty) == (0.7, 0.8, 20, 1.05)
+    assert text.seed == request_seed(3, "sb7") and text.max_tokens == 8 and not text.ignore_eos
+    assert sampling_params(job_sampling("qwen_text", 3), 8, False).seed is None  # no prompt: no seed
+    assert sampling_params(job_sampling("qwen_vl", 3), 8, False, "sb7").seed is None
+
+
+class FakeTokenizer:
+    """No chat template: ``render`` tokenizes the plain text (one id per character)."""
+
+    chat_template = None
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [ord(c) % 100 for c in text]}
+
+
+def test_plan_keys_jobs_by_setting_and_keeps_greedy_names():
+    from benchmarks.run import Plan, parse_args
+
+    args = parse_args(["--quick", "--categories", "qa,coding", "--methods", "none,ngram,recap-tree",
+                       "--sampling", "greedy,qwen_vl,t1", "--sampling-methods", "recap-tree",
+                       "--sampling-seed", "4", "--out", "/tmp/unused"])
+    plan = Plan(args, "/no/model", "float32", FakeTokenizer())
+    names = [j["name"] for j in plan.jobs]
+    assert names == ["none/spec_bench/c1/r0", "ngram/spec_bench/c1/r0", "recap-tree/spec_bench/c1/r0",
+                     "none/spec_bench/qwen_vl/c1/r0", "recap-tree/spec_bench/qwen_vl/c1/r0",
+                     "none/spec_bench/t1/c1/r0", "recap-tree/spec_bench/t1/c1/r0"]
+    by_name = {j["name"]: j for j in plan.jobs}
+    assert by_name["ngram/spec_bench/c1/r0"]["sampling"] == {"name": "greedy", "params": {"temperature": 0.0},
+                                                             "seed": None}
+    assert by_name["none/spec_bench/t1/c1/r0"]["sampling"]["seed"] == 4
+    assert by_name["recap-tree/spec_bench/qwen_vl/c1/r0"]["sampling"]["seed"] is None
+    assert all(j["prompts"] == plan.jobs[0]["prompts"] for j in plan.jobs)  # same prompts
+    # without greedy only the other settings' batch-1 jobs run
+    args = parse_args(["--sampling", "qwen_text", "--methods", "recap-chain", "--per-category", "1",
+                       "--categories", "qa", "--out", "/tmp/unused"])
+    plan = Plan(args, "/no/model", "float32", FakeTokenizer())
+    assert [j["name"] for j in plan.jobs] == ["none/spec_bench/qwen_text/c1/r0",
+                                              "recap-chain/spec_bench/qwen_text/c1/r0"]
+    with pytest.raises(SystemExit):
+        parse_args(["--sampling", "greedy,warm"])
+
+
+# -- sampling report ------------------------------------------------------------------------
+
+def test_tree_figures_definitions_and_merge_over_repeats():
+    recs = {"a": _rec("a", 10, 1.0, drafts=6, draft_tokens=30, accepted_tokens=4, tree_steps=3,
+                      off_chain_accepts=1),
+            "b": _rec("b", 10, 1.0, drafts=2, draft_tokens=4, accepted_tokens=0, tree_steps=0,
+                      off_chain_accepts=0)}
+    fig = report.prompt_figures(recs, None)
+    passes = 20 - 4
+    assert fig["tree_steps"] == 3 and fig["tree_share"] == 3 / 8  # of drafted request-steps
+    assert fig["tree_pass_share"] == 3 / passes
+    assert fig["requests_with_trees"] == 1 and fig["tree_request_share"] == 0.5
+    assert fig["off_chain_share"] == 1 / 3
+    # no tree counts (a vLLM method): no tree keys at all
+    assert "tree_share" not in report.prompt_figures({"a": _rec("a", 10, 1.0, drafts=2)}, None)
+    jobs = [{"requests": [_rec("a", 4, 1.0, tree_steps=t, off_chain_accepts=o)]} for t, o in ((2, 0), (4, 2))]
+    merged = report.merge_requests(jobs)["a"]
+    assert merged["tree_steps"] == 3.0 and merged["off_chain_accepts"] == 1.0
+
+
+def _sampling_results():
+    """none / recap-chain / recap-tree under greedy, qwen_vl (one prompt differs) and qwen_text."""
+    def job(method, sampling, pid_tokens, tree=None, **kw):
+        reqs = []
+        for pid, ids in pid_tokens.items():
+            extra = {"tree_steps": tree[0], "off_chain_accepts": tree[1]} if tree else {}
+            reqs.append({**_rec(pid, 0, 1.0 if method == "none" else 0.5, drafts=4, draft_tokens=8,
+                                accepted_tokens=kw.get("acc", 0), **extra), "output_ids": ids})
+        where = "spec_bench" if sampling == "greedy" else f"spec_bench/{sampling}"
+        return {**_job(method, requests=reqs), "name": f"{method}/{where}/c1/r0", "sampling": sampling}
+
+    same = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}
+    return [
+        job("none", "greedy", same), job("recap-tree", "greedy", same, tree=(4, 1), acc=2),
+        job("none", "qwen_vl", same), job("recap-tree", "qwen_vl", {**same, "b": [5, 6, 0, 0]},
+                                          tree=(4, 2), acc=2),
+        job("none", "qwen_text", same),
+        job("recap-chain", "qwen_text", {"a": [9, 9, 9, 9], "b": same["b"]}, acc=1),
+        job("recap-tree", "qwen_text", {"a": [3, 3, 3, 3], "b": [4, 4, 4, 4]}, tree=(2, 1), acc=2),
+    ]
+
+
+def test_sampling_sections_pair_within_a_setting_and_skip_identity_for_sampled():
+    results = _sampling_results()
+    s = report.build_summary(results, ["none", "recap-chain", "recap-tree"], [1], [], [],
+                             sampling=["greedy", "qwen_vl", "qwen_text"],
+                             sampling_methods=["none", "recap-chain", "recap-tree"], sampling_seed=0)
+    # the greedy tables are greedy's jobs only, as before
+    assert [r["method"] for r in s["overall"]] == ["none", "recap-tree"]
+    assert s["overall"][1]["identical"] == 2 and s["overall"][1]["tree_share"] == 1.0
+    sec = {x["name"]: x for x in s["sampling"]}
+    assert list(sec) == ["greedy", "qwen_vl", "qwen_text"]
+    assert [sec[n]["seeded"] for n in sec] == [False, False, True]
+    vl = {r["method"]: r for r in sec["qwen_vl"]["rows"]}
+    assert vl["recap-tree"]["identical"] == 1 and vl["recap-tree"]["compared"] == 2  # deterministic
+    assert vl["recap-tree"]["speedup_geomean"] == pytest.approx(2.0)
+    text = {r["method"]: r for r in sec["qwen_text"]["rows"]}
+    assert text["recap-tree"]["identity"] == "n/a" and text["recap-tree"]["identical"] is None
+    assert text["recap-tree"]["tree_share"] == 2 / 4 and text["recap-tree"]["tree_request_share"] == 1.0
+    assert "tree_share" not in text["recap-chain"]  # no tree counts recorded for it
+    # findings: qwen_vl must equal none; qwen_text's differences are expected
+    found = "\n".join(s["findings"])
+    assert "sampling qwen_vl: recap-tree output differs from none on 1 of 2 prompts (b at token 2)" in found
+    assert "qwen_text: recap" not in found
+    # issue 12's targets: tokens/pass 8/4 = 2 everywhere for recap-tree; chain 8/6
+    t = {x["target"]: x for x in s["sampling_targets"]}
+    assert t["recap-tree tokens/pass under qwen_vl >= 0.95 x recap-tree under greedy"]["met"]
+    chain = t["recap-tree tokens/pass under qwen_text >= 1.3 x recap-chain under qwen_text"]
+    assert chain["value"] == pytest.approx(2.0 / (8 / 6)) and chain["met"]
+    # unseeded sampled repeats may differ by design: not a finding
+    twice = results + [{**results[-1], "name": "recap-tree/spec_bench/qwen_text/c1/r1", "repeat": 1,
+                        "requests": [{**r, "output_ids": [0]} for r in results[-1]["requests"]]}]
+    seeded = report.build_summary(twice, ["none"], [1], [], [], sampling=["qwen_text"],
+                                  sampling_methods=["none", "recap-tree"], sampling_seed=0)
+    assert ("sampling qwen_text: recap-tree produced different tokens in different repeats"
+            in seeded["findings"])
+    unseeded = report.build_summary(twice, ["none"], [1], [], [], sampling=["qwen_text"],
+                                    sampling_methods=["none", "recap-tree"], sampling_seed=-1)
+    assert not unseeded["findings"] and not unseeded["sampling"][0]["seeded"]
+    # greedy-only runs keep the summary's old layout
+    assert "sampling" not in report.build_summary(results, ["none", "recap-tree"], [1], [], [],
+                                                  sampling=["greedy"])
+
+
+def test_sampling_markdown_sections_and_pivots():
+    from benchmarks import report_sampling
+
+    s = report.build_summary(_sampling_results(), ["none", "recap-tree"], [1], [], [],
+                             sampling=["greedy", "qwen_vl", "qwen_text"],
+                             sampling_methods=["none", "recap-chain", "recap-tree"])
+    grid = {r["method"]: r for r in report_sampling.pivot(s["sampling"], "tokens_per_pass")}
+    assert grid["recap-tree"]["qwen_text"] == 2.0 and grid["recap-chain"]["greedy"] is None
+    text = "\n".join(markdown.sampling_parts(s))
+    assert "## Sampling settings (Spec-Bench, batch 1)" in text
+    for name in ("greedy", "qwen_vl", "qwen_text"):
+        assert f"### Sampling `{name}`" in text
+    assert "temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05" in text
+    assert "a fixed seed per request" in text and "greedy-equivalent: outputs must equal none's" in text
+    qwen_text = text.split("### Sampling `qwen_text`")[1]
+    assert "| recap-tree |" in qwen_text and "| n/a |" in qwen_text and "| 50% |" in qwen_text
+    assert "| 2/2 |" in qwen_text  # requests with trees
+    assert "1/2" in text.split("### Sampling `qwen_vl`")[1].split("###")[0]  # identity kept
+    assert ("target: recap-tree tokens/pass under qwen_vl >= 0.95 x recap-tree under greedy: "
+            "1.00x (met)") in text
+    assert markdown.sampling_parts({"overall": []}) == []
+
+
+def test_sampler_fixes_only_for_non_greedy_jobs(monkeypatch):
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from benchmarks.harness import install_sampler_fixes
+    from benchmarks.sampling import job_sampling
+
+    # restore vLLM's functions after the test, whatever install does
+    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", rejection_sampler.expand_batch_to_tokens)
+    monkeypatch.setattr(topk_topp_sampler, "apply_top_k_only", topk_topp_sampler.apply_top_k_only)
+    assert install_sampler_fixes({}) == []
+    assert install_sampler_fixes({"sampling": job_sampling("greedy", 0)}) == []
+    assert not hasattr(rejection_sampler.expand_batch_to_tokens, "__recap_seam__")
+    seams = install_sampler_fixes({"sampling": job_sampling("qwen_text", 0)})
+    assert len(seams) == 2 and rejection_sampler.expand_batch_to_tokens.__recap_seam__ == seams[0]
+    assert topk_topp_sampler.apply_top_k_only.__recap_seam__ == seams[1]

@@ -2,7 +2,10 @@
 
 One run of ``python -m benchmarks.run`` (its own process, as users run it) on the tiny random
 Qwen2 and Qwen2.5-VL: every workload, concurrency 1 and 2, one ablation, 8 new tokens,
-float32 (where any difference from no speculation is a bug). ~11 engine starts, ~3 minutes.
+float32 (where any difference from no speculation is a bug), plus one sampled setting,
+``t1`` (seeded), for recap-tree and its ``none``: the cheapest to sample, since vLLM's CPU
+top-k/top-p and penalty ops cost more per step than the tiny model over its 151k-token
+vocabulary. ~13 engine starts, ~2 minutes.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ def run_result(tiny_qwen2, tiny_qwen2_vl, tmp_path_factory):
            "--ignore-eos", "--concurrency", "1,2", "--load-methods", "recap-tree",
            "--ablations", "abl-fusion-uniform", "--two-turn-methods", "recap-tree",
            "--two-turn-categories", "writing", "--mm-methods", "recap-tree", "--mm-prompts", "1",
-           "--mm-model", tiny_qwen2_vl, "--kv-cache-mib", "128", "--out", str(out)]
+           "--mm-model", tiny_qwen2_vl, "--kv-cache-mib", "128",
+           "--sampling", "greedy,t1", "--sampling-methods", "recap-tree", "--out", str(out)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -81,3 +85,23 @@ def test_load_two_turn_ablation_and_multimodal_tables(run_result):
     assert s["ablations"][1]["identical"] == 2 and s["ablations"][1]["full_vs_variant_tps"] is not None
     mm = {r["method"]: r for r in s["multimodal"]}
     assert set(mm) == {"none", "recap-tree"} and mm["recap-tree"]["identical"] == 1
+
+
+def test_sampled_setting(run_result):
+    out, result, _ = run_result
+    jobs = {j["name"]: j for j in result["jobs"]}
+    assert {"none/spec_bench/t1/c1/r0", "recap-tree/spec_bench/t1/c1/r0"} <= set(jobs)
+    assert jobs["recap-tree/spec_bench/t1/c1/r0"]["sampling"] == "t1"
+    assert jobs["recap-tree/spec_bench/c1/r0"]["sampling"] == "greedy"
+    sent = json.loads((out / "jobs" / "recap-tree_spec_bench_t1_c1_r0.job.json").read_text())
+    assert sent["sampling"] == {"name": "t1", "params": {"temperature": 1.0}, "seed": 0}
+    sections = {sec["name"]: sec for sec in result["summary"]["sampling"]}
+    assert list(sections) == ["greedy", "t1"] and sections["t1"]["seeded"]
+    rows = {r["method"]: r for r in sections["t1"]["rows"]}
+    assert list(rows) == ["none", "recap-tree"]
+    tree = rows["recap-tree"]
+    assert tree["identity"] == "n/a" and tree["output_tokens"] == 16 and tree["speedup_geomean"] > 0
+    assert tree["tree_request_share"] is not None and tree["tree_pass_share"] is not None
+    assert "tree_steps" in jobs["recap-tree/spec_bench/t1/c1/r0"]["requests"][0]
+    text = (out / "summary.md").read_text()
+    assert "## Sampling settings" in text and "### Sampling `t1`" in text
