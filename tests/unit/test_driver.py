@@ -226,6 +226,32 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     assert driver.stats["tree_requests"] > 0 and driver.stats["resynced"] > 0
 
 
+def test_no_idling_while_the_drafter_has_nothing_to_offer():
+    """Cold memories offer no drafts; that is not the budget declining them. Idling then would
+    stop the rows that fill the memories, so drafting could never start (a fresh server
+    answering text unlike anything it saw before)."""
+    from vllm_recap.core.tree import DraftTree
+
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config)
+    driver = engine.drivers[0]
+    observed = []
+    original_observe = driver.drafter.observe
+
+    def observe(req_id, *args, **kwargs):
+        observed.append(req_id)
+        return original_observe(req_id, *args, **kwargs)
+
+    root_only = lambda req_id, node_budget=None, max_depth=None: DraftTree(
+        np.array([driver.drafter.history(req_id)[-1]]), np.array([-1]), np.ones(1), 0)
+    driver.drafter.propose = root_only
+    driver.drafter.observe = observe
+    _add_all(engine, 40)
+    out = engine.run()
+    assert out == _reference(engine.target, 40)
+    assert driver.stats["idle_steps"] == 0 and len(observed) >= 3 * 39
+
+
 def test_requests_finishing_in_an_idle_step_are_freed_at_once():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)

@@ -161,7 +161,7 @@ class StepDriver:
                           batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n])
         rewrite_positions(runner.positions,
                           runner.mrope_positions.gpu if runner.uses_mrope else None, plan)
-        ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan))
+        ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan, proposals))
         step = self.clock.step_started(int(num_sched.sum()), decode_context(plan))
         if step is not None:
             self.budget.observe_step(*step)
@@ -171,18 +171,23 @@ class StepDriver:
         ctx.timing.work += time.perf_counter() - t0
         self.scope.install(ctx)
 
-    def _idle(self, plan) -> bool:
+    def _idle(self, plan, proposals: dict[str, DraftTree]) -> bool:
         """Skip RECAP's per-request work this step (rows, memory updates, proposals)?
 
-        When the budget keeps choosing no drafts (drafting does not pay for this batch, e.g.
-        under load), that work is pure overhead. After ``IDLE_AFTER`` steps without scheduled
-        drafts the driver idles, except for ``PROBE_WINDOW`` steps out of every
+        When the budget keeps declining the drafts the drafter offers (drafting does not pay
+        for this batch, e.g. under load), that work is pure overhead. After ``IDLE_AFTER``
+        steps whose offered drafts were all declined the driver idles, except for ``PROBE_WINDOW`` steps out of every
         ``PROBE_EVERY``, which do the full work (their rows refresh the memories, so the
         probe's trees are real) and let the budget decide to draft again. Both inputs are the
-        same on every tensor-parallel rank. Idle steps' tokens reach the drafter later from
+        same on every tensor-parallel rank (the proposals are the full trees every rank builds). Idle steps' tokens reach the drafter later from
         vLLM's history (``_catch_up``); their rows are not stored.
         """
-        self._quiet = 0 if plan.num_drafts.any() else self._quiet + 1
+        if plan.num_drafts.any():
+            self._quiet = 0
+        elif any(tree.num_nodes > 1 for tree in proposals.values()):
+            self._quiet += 1  # drafts were offered and the budget declined them
+        # A step where the drafter had nothing to offer (cold memories) leaves the count as
+        # it is: idling then would stop the memories from ever filling.
         return (self.adaptive and self._quiet > IDLE_AFTER
                 and self.stats["steps"] % PROBE_EVERY >= PROBE_WINDOW)
 
