@@ -45,9 +45,11 @@ def _warm_unigram(drafter: Drafter, target: PoolTarget, vocab: int) -> None:
 
 
 def run_case(budget: int, batch: int, steps: int, warm_steps: int, vocab: int,
-             target: PoolTarget, policy: Policy, seed: int) -> dict:
-    """Times `steps` decoding steps of `batch` concurrent requests; returns raw samples (ns)."""
-    cfg = RecapConfig(node_budget=budget, policy=policy)
+             target: PoolTarget, policy: Policy, seed: int, knobs: dict | None = None) -> dict:
+    """Times `steps` decoding steps of `batch` concurrent requests; returns raw samples (ns).
+
+    knobs: further RecapConfig fields (e.g. ablation switches)."""
+    cfg = RecapConfig(node_budget=budget, policy=policy, **(knobs or {}))
     drafter = Drafter(cfg, vocab)
     _warm_unigram(drafter, target, vocab)
     rng = np.random.default_rng(seed)
@@ -168,13 +170,15 @@ def markdown(result: dict) -> str:
         f"- machine: {m['platform']}, {m['cpu_count']} CPUs ({m['processor']}), "
         f"load average at start {m['loadavg_start']}, at end {m['loadavg_end']}",
         f"- python {m['python']}, numpy {m['numpy']}, numba {m['numba']}",
-        f"- vocab {m['vocab']}, K = 8, max depth 10, suffix 4, policy {m['policy']}; "
+        f"- vocab {m['vocab']}, K = 8, max depth 10, policy {m['policy']}, knobs "
+        f"{m.get('knobs') or 'defaults'}; "
         f"{m['repeats']} x {m['steps']} timed steps per case (fewer steps for batch > 4, "
         f"same sample count) after {m['warm_steps']} warm-up steps; "
         "U warm (every vocab entry has a row)",
         "- the machine is shared with other work: the p50 range over repeats (each repeat "
         "runs the whole grid once, round-robin) shows how much that moves the numbers",
-        "- step = propose (tree of `budget` drafts + suffix) + observe (rows of all its nodes); "
+        "- step = propose (tree of `budget` drafts + continuations on top) + observe (rows of "
+        "all its nodes); "
         "goals: budget 63 <= 300 us p50, budget 16 <= 100 us p50",
         "",
         "| budget | batch | step p50 (us) | step p99 (us) | goal p50 | p50 range over repeats "
@@ -203,6 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--policy", choices=[p.value for p in Policy], default="recap")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--knobs", type=json.loads, default={},
+                        help='further RecapConfig fields as JSON, e.g. \'{"suffix_mode": '
+                             '"earliest"}\' (ablations)')
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of the whole grid (samples are pooled)")
     parser.add_argument("--out-dir", type=Path,
@@ -228,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         "numba": __import__("numba").__version__,
         "vocab": args.vocab,
         "policy": args.policy,
+        "knobs": args.knobs,
         "steps": steps,
         "warm_steps": warm_steps,
         "repeats": args.repeats,
@@ -249,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
                 n_steps = max(steps // max(1, batch // 4), 3) if batch > 4 else steps
                 runs[(budget, batch)].append(run_case(
                     budget, batch, n_steps, warm_steps, args.vocab, target, Policy(args.policy),
-                    args.seed + rep))
+                    args.seed + rep, args.knobs))
                 gc.collect()
     finally:
         gc.enable()

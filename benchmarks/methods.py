@@ -77,6 +77,19 @@ ABLATIONS: list[Ablation] = [
 # Not one of the paper's rows: the most specific row only, no mixing (FusionMode.BACKOFF).
 EXTRA_ABLATIONS = [Ablation("abl-backoff-only", {"fusion": "backoff"},
                             "fusion vs most-specific row only", "-")]
+# The continuation additions (evidence-scaled continuations, the shared index across requests,
+# one calibrated score), each switched off alone at the ablation budget.
+CONTINUATION_ABLATIONS = [
+    Ablation("abl-suffix-earliest", {"suffix_mode": "earliest", "suffix_len": 4},
+             "evidence continuations vs one 4-token earliest-occurrence continuation", "-"),
+    Ablation("abl-no-shared-index", {"shared_index": "off"},
+             "shared continuation index across requests on vs off", "-"),
+    Ablation("abl-uncalibrated", {"calibrated_scores": False},
+             "online-calibrated node scores vs priors only", "-"),
+]
+# RECAP's tree before the continuation additions (adaptive budget, as recap-tree).
+CLASSIC = {"suffix_mode": "earliest", "suffix_len": 4, "shared_index": "off",
+           "calibrated_scores": False}
 
 _ALL: list[Method] = [
     Method("none", None, "no speculation (the baseline every speedup is paired against)"),
@@ -86,12 +99,15 @@ _ALL: list[Method] = [
            "Token Recycling: U-only adjacency + static template, same budget/policy as recap-tree"),
     Method("recap-chain", _recap(draft_mode="chain"), "RECAP single path (best chain of the tree)"),
     Method("recap-tree", _recap(), "RECAP tree, CPU defaults (node budget 16, adaptive)"),
+    Method("recap-tree-classic", _recap(**CLASSIC),
+           "RECAP tree without the continuation additions (4-token earliest continuation, no "
+           "shared index, uncalibrated scores), adaptive"),
     Method("token-recycling-80", _fixed(80, policy="token_recycling"),
            "Token Recycling as in its paper: full 80-node template, always verified"),
     *[Method(f"recap-tree-b{b}", _fixed(b), f"RECAP tree, fixed budget of {b} nodes")
       for b in (4, 8, 16, 32)],
     *[Method(a.method, _fixed(ABLATION_BUDGET, **a.knob), f"ablation: {a.paper_row}")
-      for a in ABLATIONS + EXTRA_ABLATIONS],
+      for a in ABLATIONS + EXTRA_ABLATIONS + CONTINUATION_ABLATIONS],
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 
@@ -101,6 +117,7 @@ GROUPS: dict[str, list[str]] = {
     "budgets": ["none", "ngram", "recap-chain", "recap-tree-b4", "recap-tree-b8",
                 "recap-tree-b16", "recap-tree-b32", "token-recycling"],
     "ablations": [a.method for a in ABLATIONS],
+    "continuations": [a.method for a in CONTINUATION_ABLATIONS],
 }
 
 
@@ -133,4 +150,5 @@ def method_config(name: str) -> dict | None:
 
 def ablation(name: str) -> Ablation | None:
     """The ablation row of a method name, None for other methods."""
-    return next((a for a in ABLATIONS + EXTRA_ABLATIONS if a.method == name), None)
+    return next((a for a in ABLATIONS + EXTRA_ABLATIONS + CONTINUATION_ABLATIONS
+                 if a.method == name), None)

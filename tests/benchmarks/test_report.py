@@ -8,7 +8,15 @@ import pytest
 
 from benchmarks import markdown, report
 from benchmarks.load import closed_loop
-from benchmarks.methods import ABLATION_REFERENCE, ABLATIONS, GROUPS, METHODS, expand, method_config
+from benchmarks.methods import (
+    ABLATION_REFERENCE,
+    ABLATIONS,
+    CONTINUATION_ABLATIONS,
+    GROUPS,
+    METHODS,
+    expand,
+    method_config,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -158,7 +166,8 @@ def test_method_registry_groups_and_configs():
     assert method_config("none") is None
     with pytest.raises(ValueError, match="known methods"):
         expand("none,bogus")
-    for abl in ABLATIONS:  # equal fixed budget: differ from the reference only in their knob
+    assert expand("continuations") == [a.method for a in CONTINUATION_ABLATIONS]
+    for abl in ABLATIONS + CONTINUATION_ABLATIONS:  # equal fixed budget: differ from the reference only in their knob
         cfg, ref = method_config(abl.method), method_config(ABLATION_REFERENCE)
         assert {k: v for k, v in cfg.items() if k not in abl.knob} == ref
 

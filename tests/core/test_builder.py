@@ -14,9 +14,13 @@ from vllm_recap.core import (
     FusionMode,
     Policy,
     RecapConfig,
+    SharedIndexMode,
+    SuffixMode,
     TreeShape,
     tree_depths,
 )
+from vllm_recap.core._kernels import SUF_WIDTH
+from vllm_recap.core.tree import SOURCE_MEMORY
 from vllm_recap.core.config import MAX_DEPTH, discount_table
 from vllm_recap.core.recycling import LEVEL_SIZES, TEMPLATE_PARENTS, TEMPLATE_RANKS
 
@@ -34,7 +38,9 @@ def start_with_unigram(d: Drafter, rid: str, table: dict[int, tuple[list[int], l
 
 def u_only(**kw: object) -> Drafter:
     blocked = kw.pop("blocked", ())
-    cfg = dict(top_k=2, depth_discounts=(0.5,), use_context_memories=False, suffix_len=0)
+    # The paper's scores (d(depth) * q): calibrated_scores off.
+    cfg = dict(top_k=2, depth_discounts=(0.5,), use_context_memories=False, suffix_len=0,
+               calibrated_scores=False)
     cfg.update(kw)
     return Drafter(RecapConfig(**cfg), 20, blocked_token_ids=blocked)
 
@@ -91,10 +97,13 @@ def test_golden_no_repeated_edge() -> None:
     assert sorted(t.draft_tokens.tolist()) == [1, 2, 3, 3, 3]
 
 
+EARLIEST = {"suffix_mode": "earliest", "suffix_len": 4}
+
+
 def test_suffix_path_is_merged_on_top_of_the_budget() -> None:
     # History 1 5 9 1: "1" occurred before, followed by 5 9 1. U[1] = (2: .9, 5: .1).
     table = {1: ([2, 5], [0.9, 0.1])}
-    d = Drafter(RecapConfig(top_k=2, node_budget=1, use_context_memories=False), 20)
+    d = Drafter(RecapConfig(top_k=2, node_budget=1, use_context_memories=False, **EARLIEST), 20)
     d.start("a", [1, 5, 9, 1], prompt_rows=(np.array([[2, 5]]), np.array([[0.9, 0.1]]), [0]))
     t = d.propose("a")
     # Budget node: 2 (.68 * .9 = .612). Suffix: 5 scores .68 * max(q = .1, prior .3) = .204,
@@ -105,7 +114,7 @@ def test_suffix_path_is_merged_on_top_of_the_budget() -> None:
     assert t.best_path().tolist() == [2]
     # With a suffix prior of 1 the suffix branch scores higher and becomes the best chain.
     d2 = Drafter(RecapConfig(top_k=2, node_budget=1, use_context_memories=False,
-                             suffix_prior=1.0), 20)
+                             suffix_prior=1.0, **EARLIEST), 20)
     start_with_unigram(d2, "a", table, [5, 9, 1])
     t2 = d2.propose("a")
     assert t2.tokens.tolist() == [1, 5, 9, 1, 2] and t2.best_path().tolist() == [5, 9, 1]
@@ -114,7 +123,7 @@ def test_suffix_path_is_merged_on_top_of_the_budget() -> None:
 
 def test_suffix_shares_existing_nodes() -> None:
     table = {1: ([5, 2], [0.9, 0.1])}
-    d = Drafter(RecapConfig(top_k=2, node_budget=1, use_context_memories=False), 20)
+    d = Drafter(RecapConfig(top_k=2, node_budget=1, use_context_memories=False, **EARLIEST), 20)
     start_with_unigram(d, "a", table, [5, 9, 1])
     t = d.propose("a")
     assert t.tokens.tolist() == [1, 5, 9, 1] and t.is_chain()  # 5 is shared, not duplicated
@@ -122,10 +131,10 @@ def test_suffix_shares_existing_nodes() -> None:
 
 def test_suffix_stops_at_a_repeated_edge_and_at_blocked_tokens() -> None:
     # "5" occurred at 0, followed by 1 2 1 2: the path 5 1 2 1 would next repeat edge (1, 2).
-    d = Drafter(RecapConfig(top_k=2, node_budget=1, use_context_memories=False), 20)
+    d = Drafter(RecapConfig(top_k=2, node_budget=1, use_context_memories=False, **EARLIEST), 20)
     d.start("a", [5, 1, 2, 1, 2, 1, 2, 9, 5])
     assert d.propose("a").tokens.tolist() == [5, 1, 2, 1]
-    d2 = Drafter(RecapConfig(top_k=2, node_budget=1, use_context_memories=False), 20,
+    d2 = Drafter(RecapConfig(top_k=2, node_budget=1, use_context_memories=False, **EARLIEST), 20,
                  blocked_token_ids=[2])
     d2.start("a", [5, 1, 2, 1, 2, 1, 2, 9, 5])
     assert d2.propose("a").tokens.tolist() == [5, 1]
@@ -138,7 +147,7 @@ def test_deepest_level_scores_with_the_whole_discount_table() -> None:
     # U: t -> t + 1 with certainty, so the tree is one chain down to MAX_DEPTH whose scores
     # are the running products of the discount table.
     cfg = RecapConfig(top_k=1, node_budget=100, max_depth=MAX_DEPTH, suffix_len=0,
-                      use_context_memories=False)
+                      use_context_memories=False, calibrated_scores=False)
     d = Drafter(cfg, 100)
     start_with_unigram(d, "a", {t: ([t + 1], [1.0]) for t in range(99)}, [0])
     t = d.propose("a")
@@ -225,34 +234,63 @@ def best_chain(tree: DraftTree) -> list[int]:
         chain.append(v)
 
 
-def check_invariants(tree: DraftTree, root: int, budget: int, depth: int, suffix_len: int,
-                     blocked: set[int], policy: Policy, k: int) -> None:
+def check_invariants(tree: DraftTree, root: int, cfg: RecapConfig, blocked: set[int],
+                     evidence: bool, budget: int | None = None) -> None:
+    """Every proposal: a parents-first tree within its budgets, no blocked token, scores
+    never above the parent's, best chain first; (RECAP) memory nodes never repeat an edge
+    of their path; (evidence) source bits on every draft and a layout best node first."""
     n = tree.num_nodes
-    # Width <= K from the builder; the suffix path may add one more child to a node.
+    policy, k, suffix_len = cfg.policy, cfg.top_k, cfg.suffix_len
+    budget = cfg.node_budget if budget is None else budget
+    # Width <= K from the memories; the earliest suffix path may add one more child to a
+    # node, evidence continuations SUF_WIDTH per source.
+    extra = 0
+    if suffix_len and policy is Policy.RECAP:
+        extra = 2 * SUF_WIDTH if evidence else 1
     width = np.bincount(tree.parents[1:], minlength=n) if n > 1 else np.zeros(1, np.int64)
-    assert width.max() <= k + (1 if suffix_len and policy is Policy.RECAP else 0)
+    assert width.max() <= k + extra
     assert tree.tokens[0] == root and tree.parents[0] == -1
     depths = tree_depths(tree.parents)  # parents-first
     for m in range(1, n + 1):
         tree_depths(tree.parents[:m])  # every prefix is a tree
     # The builder's depths survive the chain-first relayout.
     assert tree.depths.dtype == np.int64 and tree.depths.tolist() == depths.tolist()
-    assert depths.max() <= depth
+    assert depths.max() <= (max(cfg.max_depth, suffix_len) if evidence else cfg.max_depth)
     cap = min(budget, 80) if policy is Policy.TOKEN_RECYCLING else budget + suffix_len
-    assert tree.num_drafts <= (cap if budget and depth else 0)
+    assert tree.num_drafts <= (cap if budget and cfg.max_depth else 0)
     assert not blocked & set(tree.draft_tokens.tolist())
     assert np.all(tree.scores[1:] > 0) and np.all(tree.scores[1:] <= tree.scores[tree.parents[1:]])
+    if evidence and n > 1:
+        assert tree.sources is not None and tree.sources[0] == 0 and np.all(tree.sources[1:] > 0)
+        rest = tree.scores[1 + tree.chain_len:]  # after the best chain: best node first
+        assert np.all(np.diff(rest) <= 0)
+        memory_only = tree.sources == SOURCE_MEMORY
+        assert np.all(depths[memory_only] <= cfg.max_depth)
+    elif n > 1 and policy is Policy.RECAP:
+        assert tree.sources is None
     for i in range(1, n):
         sib = [j for j in range(1, n) if tree.parents[j] == tree.parents[i] and j != i]
         assert all(tree.tokens[j] != tree.tokens[i] for j in sib)
-        if policy is Policy.RECAP:  # no edge (parent token, child token) twice on a path
+        # No edge (parent token, child token) twice on a path -- except where copied text
+        # repeats it (evidence continuations copy text as it is, so with evidence only a
+        # memory node's own edge must be new on its path).
+        if policy is Policy.RECAP and (not evidence or tree.sources[i] == SOURCE_MEMORY):
             edges, v = [], i
             while tree.parents[v] >= 0:
                 edges.append((int(tree.tokens[tree.parents[v]]), int(tree.tokens[v])))
                 v = tree.parents[v]
-            assert len(edges) == len(set(edges))
+            if evidence:
+                assert edges[0] not in edges[1:]
+            else:
+                assert len(edges) == len(set(edges))
     chain = best_chain(tree)
     assert chain == list(range(1, len(chain) + 1)) and tree.chain_len == len(chain)
+
+
+def evidence(cfg: RecapConfig) -> bool:
+    """True if the config builds evidence trees (RECAP, best-first, suffix_mode evidence)."""
+    return (cfg.policy is Policy.RECAP and cfg.tree_shape is TreeShape.BEST_FIRST
+            and cfg.suffix_mode is SuffixMode.EVIDENCE)
 
 
 @st.composite
@@ -264,7 +302,11 @@ def scenarios(draw: st.DrawFn) -> dict:
         suffix_len=draw(st.integers(0, 4)), fusion=draw(st.sampled_from(list(FusionMode))),
         policy=draw(st.sampled_from(list(Policy))),
         tree_shape=draw(st.sampled_from(list(TreeShape))),
-        use_context_memories=draw(st.booleans()), suffix_prior=draw(st.sampled_from([0.3, 1.0])))
+        use_context_memories=draw(st.booleans()), suffix_prior=draw(st.sampled_from([0.3, 1.0])),
+        suffix_mode=draw(st.sampled_from(list(SuffixMode))),
+        suffix_min_prob=draw(st.sampled_from([0.0, 0.1, 0.5])),
+        calibrated_scores=draw(st.booleans()),
+        shared_index=draw(st.sampled_from(list(SharedIndexMode))))
     blocked = draw(st.sets(st.integers(0, vocab - 1), max_size=3))
     # A small alphabet for history and commits so most roots have rows to draft from.
     history = draw(st.lists(st.integers(0, 5), min_size=1, max_size=12))
@@ -296,8 +338,7 @@ def test_every_proposal_satisfies_the_tree_invariants(s: dict) -> None:
             tree = d.propose("r")
             trees[j].append(tree)
             c = s["cfg"]
-            check_invariants(tree, d.history("r")[-1], c.node_budget, c.max_depth,
-                             c.suffix_len, s["blocked"], c.policy, c.top_k)
+            check_invariants(tree, d.history("r")[-1], c, s["blocked"], evidence(c))
             if step is not None:
                 parents, tokens, ids, probs, commit = step
                 d.observe("r", [d.history("r")[-1]] + tokens, parents, np.array(ids),

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_recap.core import DraftMode, FusionMode, Policy, RecapConfig, TreeShape
+from vllm_recap.core import (
+    DraftMode,
+    FusionMode,
+    Policy,
+    RecapConfig,
+    SharedIndexMode,
+    SuffixMode,
+    TreeShape,
+)
 from vllm_recap.core.config import MAX_DEPTH, discount_table
 
 pytestmark = pytest.mark.unit
@@ -13,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 def test_defaults_are_paper_scale() -> None:
     c = RecapConfig()
-    assert (c.top_k, c.max_depth, c.node_budget, c.suffix_len) == (8, 10, 63, 4)
+    assert (c.top_k, c.max_depth, c.node_budget, c.suffix_len) == (8, 10, 63, 16)
     assert c.priors == (0.70, 0.20, 0.10)
     assert c.depth_discounts == (0.68, 0.63, 0.50, 0.43, 0.40, 0.38)
     assert c.persistent_unigram and c.use_context_memories
@@ -22,6 +30,20 @@ def test_defaults_are_paper_scale() -> None:
     assert c.tree_shape is TreeShape.BEST_FIRST
     assert c.max_context_rows == 8192 and c.max_partitions == 16
     assert c.suffix_min_match == 1 and c.suffix_prior == 0.3
+
+
+def test_defaults_of_the_evidence_additions() -> None:
+    c = RecapConfig()
+    assert c.suffix_mode is SuffixMode.EVIDENCE and c.suffix_min_prob == 0.1
+    assert c.shared_index is SharedIndexMode.OUTPUTS and c.shared_index_tokens == 32768
+    assert c.calibrated_scores is True
+
+
+def test_all_additions_off_is_the_original_configuration() -> None:
+    off = RecapConfig.from_dict({"suffix_mode": "earliest", "shared_index": "OFF",
+                                 "calibrated_scores": False, "suffix_len": 4})
+    assert off.suffix_mode is SuffixMode.EARLIEST and off.shared_index is SharedIndexMode.OFF
+    assert RecapConfig.from_dict(off.to_dict()) == off
 
 
 def test_discount_table_is_indexed_by_depth_and_repeats_the_last_value() -> None:
@@ -59,6 +81,10 @@ def test_dict_round_trip() -> None:
         ("policy", "RECAP", Policy.RECAP),
         ("tree_shape", "fixed", TreeShape.FIXED),
         ("draft_mode", "chain", DraftMode.CHAIN),
+        ("suffix_mode", "earliest", SuffixMode.EARLIEST),
+        ("suffix_mode", "EVIDENCE", SuffixMode.EVIDENCE),
+        ("shared_index", "off", SharedIndexMode.OFF),
+        ("shared_index", "outputs_and_prompts", SharedIndexMode.OUTPUTS_AND_PROMPTS),
     ],
 )
 def test_from_dict_accepts_enum_strings(key: str, value: str, expected: object) -> None:
@@ -126,6 +152,19 @@ def test_config_is_frozen() -> None:
          r"prompt_seed_rows = -1 is out of range: must be an int in \[0, 65536\]"),
         ("batch_node_budget", -5,
          r"batch_node_budget = -5 is out of range: must be an int in \[0, 1048576\]"),
+        ("suffix_min_prob", -0.1,
+         r"suffix_min_prob = -0.1 is out of range: must be a float in \[0.0, 1.0\]"),
+        ("suffix_min_prob", 1.01, r"suffix_min_prob = 1.01 is out of range"),
+        ("suffix_min_prob", True, r"suffix_min_prob = True is out of range"),
+        ("suffix_mode", "latest",
+         r"suffix_mode = 'latest' is invalid: allowed values are \['evidence', 'earliest'\]"),
+        ("shared_index", True, r"shared_index = True is invalid: allowed values are "
+                               r"\['outputs', 'outputs_and_prompts', 'off'\]"),
+        ("shared_index_tokens", 63,
+         r"shared_index_tokens = 63 is out of range: must be an int in \[64, 16777216\]"),
+        ("shared_index_tokens", 2.0, r"shared_index_tokens = 2.0 is out of range"),
+        ("calibrated_scores", "yes", r"calibrated_scores = 'yes' is invalid: must be a bool"),
+        ("calibrated_scores", 0, r"calibrated_scores = 0 is invalid: must be a bool"),
     ],
 )
 def test_each_invalid_field_names_field_value_and_range(field: str, value: object,

@@ -1,4 +1,5 @@
-"""Compiled (numba) kernels: memory hash table, row updates, fusion, tree builders.
+"""Compiled (numba) kernels: memory hash table, row updates, fusion, tree builders, suffix
+automaton, the evidence builder and its calibration.
 
 Everything numba compiles lives in this one file on purpose: numba's on-disk cache
 (``cache=True``) is invalidated by the timestamp of the file that defines a function, not by the
@@ -753,12 +754,21 @@ def build_template(hist, template, n_template, draft_params, memories, suffix, o
 
 # --------------------------------------------------------------------------- suffix automaton
 #
-# Arrays (owned by suffix.SuffixAutomaton): toks [cap] history; states [4, S] int32 rows
-# (s_len, s_link, s_first = earliest end position, s_head = first outgoing edge); edges
-# [3, E] int32 rows (e_tok, e_to, e_next: a state's edges form a linked list, needed to copy
-# them into a clone); transitions hashed by key state << 21 | token -> edge in hkeys/hvals.
-# meta = (tokens, states, edges, last state). Capacity (checked by the caller): states <= 2 n,
-# edges <= 3 n, hash load <= 0.5.
+# Arrays (owned by suffix.SuffixAutomaton): toks [cap] history; states [6, S] int32 rows
+# (s_len, s_link, s_first = earliest end position, s_head = first outgoing edge, s_cnt =
+# occurrence count = |endpos|, s_last = latest end position); edges [3, E] int32 rows (e_tok,
+# e_to, e_next: a state's edges form a linked list, needed to copy them into a clone and to
+# enumerate continuations); transitions hashed by key state << 21 | token -> edge in
+# hkeys/hvals. meta = (tokens, states, edges, last state). Capacity (checked by the caller):
+# states <= 2 n, edges <= 3 n, hash load <= 0.5.
+#
+# s_cnt and s_last change for every state on the new state's suffix-link chain (each gains
+# the new end position), a walk as long as the chain. The walk stops after SAM_WALK states,
+# so a long repetition (where the chain grows with the repeated length) costs O(SAM_WALK) per
+# token; the states past the cap (the shorter contexts) then undercount and keep an older
+# s_last. Continuations read them as evidence, never as exact counts.
+
+SAM_WALK = 16
 
 
 @njit(cache=True, inline="always")
@@ -790,6 +800,7 @@ def _sam_add_edge(p, t, to, s_head, e_tok, e_to, e_next, meta):
 def sam_extend(new, toks, states, edges, hkeys, hvals, meta):
     """Appends tokens new [m] int64 (amortised O(1) each; Blumer et al.)."""
     s_len, s_link, s_first, s_head = states[0], states[1], states[2], states[3]
+    s_cnt, s_last = states[4], states[5]
     e_tok, e_to, e_next = edges[0], edges[1], edges[2]
     bits = table_bits(hkeys.shape[0])
     for i in range(new.shape[0]):
@@ -824,6 +835,8 @@ def sam_extend(new, toks, states, edges, hkeys, hvals, meta):
                 s_len[clone] = s_len[p] + 1
                 s_link[clone] = s_link[q]
                 s_first[clone] = s_first[q]  # clone's end positions = q's plus later ones
+                s_cnt[clone] = s_cnt[q]  # the walk below adds the new position
+                s_last[clone] = s_last[q]
                 s_head[clone] = -1
                 f = s_head[q]
                 while f >= 0:
@@ -839,6 +852,15 @@ def sam_extend(new, toks, states, edges, hkeys, hvals, meta):
                     p = s_link[p]
                 s_link[q] = clone
                 s_link[cur] = clone
+        s_cnt[cur] = 1
+        s_last[cur] = pos
+        p = s_link[cur]
+        steps = 0
+        while p > 0 and steps < SAM_WALK:
+            s_cnt[p] += 1
+            s_last[p] = pos
+            p = s_link[p]
+            steps += 1
         meta[3] = cur
 
 
@@ -853,3 +875,521 @@ def sam_rehash(states, edges, n_states, hkeys, hvals):
         while e >= 0:
             _hash_put(hkeys, hvals, _sam_key(p, e_tok[e]), e, bits)
             e = e_next[e]
+
+
+@njit(cache=True)
+def sam_match(tokens, states, edges, hkeys, hvals, match):
+    """Extends a match against an automaton's text by `tokens` [m] int64.
+
+    match [2] int64 = (state, length): the longest suffix of the tokens fed so far that occurs
+    in the text (the matching statistics of Blumer et al.; amortised O(1) per token), updated
+    in place. Start from (0, 0).
+    """
+    s_len, s_link = states[0], states[1]
+    e_to = edges[1]
+    bits = table_bits(hkeys.shape[0])
+    v = match[0]
+    length = match[1]
+    for i in range(tokens.shape[0]):
+        t = tokens[i]
+        while True:
+            slot = _find(hkeys, _sam_key(v, t), bits)
+            if slot >= 0:
+                v = e_to[hvals[slot]]
+                length += 1
+                break
+            if v == 0:
+                length = 0
+                break
+            v = s_link[v]
+            length = s_len[v]
+    match[0] = v
+    match[1] = length
+
+
+# --------------------------------------------------------------------------- evidence builder
+#
+# One best-first tree over every node source, scored by estimated P(node accepted): memory
+# candidates (fused rows, as `build_best_first`) and continuations read from suffix automata
+# (the request's own text, and the shared index of earlier requests' outputs). A node's score
+# is its parent's times a conditional acceptance probability looked up in one calibration
+# table (calibration.py) by the node's features:
+#
+#   memory   cell (rival, depth bucket, q bucket): q = the fused probability of the token;
+#            rival = what the automata say about the same parent: no continuation, a weaker
+#            (< 0.5) or stronger one for another token, or this very token (only one child
+#            of a node can hold, so a memory candidate next to a confident continuation of
+#            another token is worth much less than its q alone says)
+#   suffix   cell (source, match-length bucket, agreement bucket): the context matched so far
+#            (the history's repeated suffix plus the path from the root) and how many of the
+#            text's occurrences of that context continue with this token (count / total)
+#
+# Memory nodes spend the node budget; suffix nodes have their own allowance (suffix_len) on
+# top, and a suffix node is added only while its path probability is >= min_prob, so long
+# continuations appear only where the evidence holds. A token proposed by two sources is one
+# node with the larger score; memory candidates grow from suffix nodes too.
+
+MEM_RIVALS = 4  # memory cells: no continuation, a weak / strong one of another token, same token
+MEM_DEPTHS = 8  # memory cells: depth 1..7, 8+
+MEM_QS = 10  # memory cells: q in tenths
+MEM_ROWS = MEM_RIVALS * MEM_DEPTHS
+SUF_ES = 11  # suffix cells: matched length 1, 2, 3, 4, 5-6, 7-8, 9-12, 13-16, 17-24, 25-32, 33+
+SUF_FS = 7  # suffix cells: count/total <= 1/4, <= 1/2, <= 3/4, < 1, all of 1, all of 2, all of 3+
+MEM_CELLS = MEM_ROWS * MEM_QS
+SUF_CELLS = SUF_ES * SUF_FS
+N_CELLS = MEM_CELLS + 2 * SUF_CELLS
+SUF_WIDTH = 4  # continuations pushed per automaton state (the most probable)
+SRC_MEMORY, SRC_SUFFIX, SRC_SHARED = 0, 1, 2  # rows of a node's feature record
+_E_BUCKET = np.array([0, 0, 1, 2, 3, 4, 4, 5, 5] + [6] * 4 + [7] * 4 + [8] * 8 + [9] * 8,
+                     np.int64)  # match length 0..32 -> row; longer -> SUF_ES - 1
+
+
+RIVAL_NONE, RIVAL_WEAK, RIVAL_STRONG, RIVAL_SAME = 0, 1, 2, 3
+
+
+@njit(cache=True, inline="always")
+def _mem_row(rival, depth):
+    return (rival * MEM_DEPTHS + min(depth, MEM_DEPTHS) - 1) * MEM_QS
+
+
+@njit(cache=True, inline="always")
+def _mem_cell(rival, depth, q):
+    """Calibration cell of a memory node at `depth` whose fused probability is q."""
+    return _mem_row(rival, depth) + min(np.int64(q * MEM_QS), MEM_QS - 1)
+
+
+@njit(cache=True, inline="always")
+def _suffix_cell(src, length, count, total):
+    """Cell of a continuation from source src (0 request, 1 shared) after a matched context
+    of `length` tokens that `count` of its `total` continuing occurrences agree with."""
+    eb = _E_BUCKET[length] if length <= 32 else SUF_ES - 1
+    if count >= total:
+        fb = 4 if total == 1 else (5 if total == 2 else 6)
+    elif 4 * count > 3 * total:
+        fb = 3
+    elif 2 * count > total:
+        fb = 2
+    elif 4 * count > total:
+        fb = 1
+    else:
+        fb = 0
+    return MEM_CELLS + src * SUF_CELLS + eb * SUF_FS + fb
+
+
+@njit(cache=True, inline="always")
+def _mem_prob(table, learned, discounts, rival, depth, q):
+    """Conditional acceptance of a memory child at `depth` with fused probability q: the
+    calibrated row interpolated in q, or (not learned) the paper's d(depth) * q."""
+    if not learned:
+        return discounts[depth] * q
+    row = _mem_row(rival, depth)
+    x = q * MEM_QS - 0.5
+    i = np.int64(np.floor(x))
+    if i < 0:
+        return table[row]
+    if i >= MEM_QS - 1:
+        return table[row + MEM_QS - 1]
+    f = x - i
+    return table[row + i] * (1.0 - f) + table[row + i + 1] * f
+
+
+@njit(cache=True)
+def _sam_children(states, edges, state, length, src, base, table, blocked, min_p, c_tok,
+                  c_state, c_p, c_cell):
+    """The best continuations after automaton `state` (matched context of `length` tokens).
+
+    Writes up to SUF_WIDTH of them into c_* [SUF_WIDTH] (token, next state, path probability
+    base * P(cell), cell), by probability, then recency (latest end position); skips blocked
+    tokens, separators (ids >= vocab) and paths below min_p. Returns the count.
+    """
+    s_head, s_cnt, s_last = states[3], states[4], states[5]
+    e_tok, e_to, e_next = edges[0], edges[1], edges[2]
+    total = 0
+    e = s_head[state]
+    while e >= 0:
+        total += s_cnt[e_to[e]]
+        e = e_next[e]
+    m = 0
+    if total <= 0:
+        return m
+    last = np.empty(SUF_WIDTH, np.int64)
+    e = s_head[state]
+    while e >= 0:
+        t = e_tok[e]
+        w = e_to[e]
+        e = e_next[e]
+        if t >= blocked.shape[0] or blocked[t]:
+            continue
+        cell = _suffix_cell(src, length, s_cnt[w], total)
+        p = base * table[cell]
+        if p < min_p:
+            continue
+        lw = s_last[w]
+        # insertion into the kept list, best first
+        j = m
+        while j > 0 and (c_p[j - 1] < p or (c_p[j - 1] == p and last[j - 1] < lw)):
+            j -= 1
+        if j >= SUF_WIDTH:
+            continue
+        top = min(m, SUF_WIDTH - 1)
+        for i in range(top, j, -1):
+            c_tok[i], c_state[i], c_p[i] = c_tok[i - 1], c_state[i - 1], c_p[i - 1]
+            c_cell[i], last[i] = c_cell[i - 1], last[i - 1]
+        c_tok[j], c_state[j], c_p[j], c_cell[j], last[j] = t, w, p, cell, lw
+        m = min(m + 1, SUF_WIDTH)
+    return m
+
+
+@njit(cache=True, inline="always")
+def _push(hs, hq, size, seq, e_int, e_score, kind, parent, z, s, state, length, cell):
+    """Pushes candidate `seq` (kind 0 memory, 1 request suffix, 2 shared) onto the heap."""
+    e_int[0, seq] = kind
+    e_int[1, seq] = parent
+    e_int[2, seq] = z
+    e_int[3, seq] = state
+    e_int[4, seq] = length
+    e_int[5, seq] = cell
+    e_score[seq] = s
+    return _heap_push(hs, hq, size, s, seq)
+
+
+@njit(cache=True)
+def build_evidence(hist, limits, draft_params, memories, sams, calib, out_ints, out_scores,
+                   out_feats):
+    """Best-first tree over memory, request-suffix and shared-index candidates (see above).
+
+    Args (tuples plain):
+        hist: (root, history[-3], history[-2]) int64, -1 where absent.
+        limits: (memory node budget, suffix node allowance, deepest suffix level,
+            min_prob) -- int, int, int, float.
+        draft_params: a `DraftParams` (suffix_prior unused).
+        memories: the request's `Memories`.
+        sams: (states, edges, state, length) of the request's automaton, then of the shared
+            index: the matched state and context length (state 0 = no match; length below
+            the minimum match is passed as state 0).
+        calib: (table [N_CELLS] float64 conditional acceptance per cell, learned): when not
+            learned, memory nodes use d(depth) * q and suffix cells their prior.
+        out_ints, out_scores: [4, cap], [cap] (tokens/parents/depths/source bits, scores),
+            cap >= 1 + budget + allowance.
+        out_feats: [3, cap] int64 per node: its memory, suffix and shared cell, -1 if that
+            source did not propose it.
+
+    Returns (node count, best chain length).
+    """
+    params = DraftParams(*draft_params)
+    mem = Memories(*memories)
+    u_rows, ctx_on, tkeys, tvals = mem.u_rows, mem.ctx_on, mem.tkeys, mem.tvals
+    max_depth, mode, priors = params.max_depth, params.mode, params.priors
+    discounts, blocked = params.discounts, params.blocked
+    budget, allowance, suf_depth, min_p = limits
+    st_l, ed_l, v_l, m_l, st_s, ed_s, v_s, m_s = sams
+    table, learned = calib
+    k = (u_rows.shape[1] - 1) // 2
+    bits = table_bits(tkeys.shape[0])
+    cap = 1 + budget + allowance
+    nodes, sc = _start_tree(hist, cap, k)
+    tok, par, score, depth, ct2, ct1 = nodes
+    g, ids, q_top, w, buf_ids, buf_m = sc
+    first = np.full(cap, -1, np.int64)  # child lists: first child, next sibling
+    nxt = np.empty(cap, np.int64)
+    feat = np.full((3, cap), -1, np.int64)
+    cand_ids = np.empty((cap, k), np.int64)  # each node's fused candidates (memory features)
+    cand_q = np.empty((cap, k), np.float64)
+    cand_n = np.zeros(cap, np.int64)
+    h_cap = cap * (k + 2 * SUF_WIDTH) + 1
+    hs = np.empty(h_cap, np.float64)
+    hq = np.empty(h_cap, np.int64)
+    e_int = np.empty((6, h_cap), np.int64)
+    e_score = np.empty(h_cap, np.float64)
+    c_tok = np.empty(SUF_WIDTH, np.int64)
+    c_state = np.empty(SUF_WIDTH, np.int64)
+    c_p = np.empty(SUF_WIDTH, np.float64)
+    c_cell = np.empty(SUF_WIDTH, np.int64)
+    r_tok = np.empty(2 * SUF_WIDTH, np.int64)  # continuations of the node being grown
+    size = np.int64(0)
+    seq = np.int64(0)
+    n = np.int64(1)
+    mem_left = budget
+    suf_left = allowance
+    # Each round grows node x: its continuations from the automaton state it was reached
+    # by (the root: both automata's matches), and, for a new node, its memory candidates.
+    # Then the best candidate either becomes a node or joins an existing one.
+    x = np.int64(0)
+    kind = np.int64(0)
+    state = np.int64(0)
+    length = np.int64(0)
+    new_node = True
+    while True:
+        n_rival = 0
+        rival_p = 0.0  # the strongest continuation's conditional probability
+        for src in range(2):
+            if x == 0:
+                s0, l0 = (v_l, m_l) if src == 0 else (v_s, m_s)
+            elif kind == src + 1:
+                s0, l0 = state, length
+            else:
+                continue
+            if s0 <= 0 or suf_left <= 0 or depth[x] >= suf_depth:
+                continue
+            if src == 0:
+                m = _sam_children(st_l, ed_l, s0, l0, 0, score[x], table, blocked, min_p,
+                                  c_tok, c_state, c_p, c_cell)
+            else:
+                m = _sam_children(st_s, ed_s, s0, l0, 1, score[x], table, blocked, min_p,
+                                  c_tok, c_state, c_p, c_cell)
+            for j in range(m):
+                size = _push(hs, hq, size, seq, e_int, e_score, src + 1, x, c_tok[j], c_p[j],
+                             c_state[j], l0 + 1, c_cell[j])
+                seq += 1
+                r_tok[n_rival] = c_tok[j]
+                n_rival += 1
+                rival_p = max(rival_p, table[c_cell[j]])
+        if new_node and depth[x] < max_depth and (mem_left > 0 or suf_left > 0):
+            r = _gather((ct2[x], ct1[x], tok[x]), u_rows, ctx_on, tkeys, tvals, bits, g)
+            nc = _fuse(g, r, mode, priors, w, cand_ids[x], cand_q[x], buf_ids, buf_m)
+            cand_n[x] = nc
+            if mem_left > 0:
+                d = depth[x] + 1
+                for j in range(nc):
+                    z = cand_ids[x, j]
+                    q = cand_q[x, j]
+                    if q <= 0.0 or blocked[z]:
+                        continue
+                    if params.no_repeat and _edge_on_path(tok, par, x, z):
+                        continue
+                    rival = RIVAL_NONE
+                    if n_rival > 0:
+                        rival = RIVAL_STRONG if rival_p >= 0.5 else RIVAL_WEAK
+                        for j2 in range(n_rival):
+                            if r_tok[j2] == z:
+                                rival = RIVAL_SAME
+                    s = score[x] * _mem_prob(table, learned, discounts, rival, d, q)
+                    size = _push(hs, hq, size, seq, e_int, e_score, 0, x, z, s, 0, 0,
+                                 _mem_cell(rival, d, q))
+                    seq += 1
+        # The next node to grow: a new one, or an existing one a second source reached.
+        x = -1
+        while size > 0 and (mem_left > 0 or suf_left > 0):
+            best, size = _heap_pop(hs, hq, size)
+            kind = e_int[0, best]
+            u = e_int[1, best]
+            z = e_int[2, best]
+            s = e_score[best]
+            state = e_int[3, best]
+            length = e_int[4, best]
+            child = first[u]
+            while child >= 0 and tok[child] != z:
+                child = nxt[child]
+            if child >= 0:
+                # One node, the larger score, both sources' evidence; a suffix source also
+                # continues from it.
+                if s > score[child]:
+                    score[child] = s
+                if feat[kind, child] < 0:
+                    feat[kind, child] = e_int[5, best]
+                if kind > 0:
+                    x = child
+                    new_node = False
+                    break
+                continue
+            if kind == 0:
+                if mem_left == 0:
+                    continue
+                mem_left -= 1
+            else:
+                if suf_left == 0:
+                    continue
+                suf_left -= 1
+            n = _add_node(nodes, n, u, z, s)
+            x = n - 1
+            nxt[x] = first[u]
+            first[u] = x
+            feat[kind, x] = e_int[5, best]
+            if kind > 0:
+                # A continuation the memories also predict carries their evidence too.
+                for j in range(cand_n[u]):
+                    if cand_ids[u, j] == z:
+                        feat[0, x] = _mem_cell(RIVAL_SAME, depth[x], cand_q[u, j])
+                        sm = score[u] * _mem_prob(table, learned, discounts, RIVAL_SAME,
+                                                  depth[x], cand_q[u, j])
+                        if sm > score[x]:
+                            score[x] = sm
+                        break
+            new_node = True
+            break
+        if x < 0:
+            break
+    return _layout_by_score(n, nodes, feat, out_ints, out_scores, out_feats)
+
+
+@njit(cache=True)
+def _layout_by_score(n, nodes, feat, out_ints, out_scores, out_feats):
+    """Lays the best chain at 1..L, then every other node by score (ties: build order).
+
+    Every prefix of the layout is then the best tree of its size, which is what an engine
+    that verifies the first b nodes wants. Scores never exceed their parent's, so the layout
+    is parents-first; should rounding ever break that, the build order is used instead.
+    Writes out_ints[:, :n], out_scores[:n], out_feats[:, :n]; returns (n, L).
+    """
+    tok, par, score, depth, _, _ = nodes
+    best = _best_children(par, score, n)
+    order = np.empty(n, np.int64)
+    placed = np.zeros(n, np.bool_)
+    order[0] = 0
+    placed[0] = True
+    m = 1
+    v = 0
+    while best[v] >= 0:
+        v = best[v]
+        order[m] = v
+        placed[v] = True
+        m += 1
+    chain_len = m - 1
+    rest = np.argsort(-score[:n], kind="mergesort")
+    for u in rest:
+        if not placed[u]:
+            order[m] = u
+            m += 1
+    new_index = np.empty(n, np.int64)
+    for i in range(n):
+        new_index[order[i]] = i
+    for i in range(1, n):
+        if new_index[par[order[i]]] >= i:  # not parents-first: keep the build order
+            m = chain_len + 1
+            for u in range(1, n):
+                if not placed[u]:
+                    order[m] = u
+                    m += 1
+            for j in range(n):
+                new_index[order[j]] = j
+            break
+    for i in range(n):
+        u = order[i]
+        out_ints[0, i] = tok[u]
+        out_ints[1, i] = new_index[par[u]] if par[u] >= 0 else -1
+        out_ints[2, i] = depth[u]
+        out_scores[i] = score[u]
+        mask = 0
+        for f in range(3):
+            out_feats[f, i] = feat[f, u]
+            if feat[f, u] >= 0:
+                mask |= 1 << f
+        out_ints[3, i] = mask
+    return n, chain_len
+
+
+@njit(cache=True)
+def same_prefix(tokens, parents, p_tokens, p_parents):
+    """True if the tree (tokens, parents) [n] is the first n nodes of (p_tokens, p_parents)."""
+    n = tokens.shape[0]
+    if n > p_tokens.shape[0]:
+        return False
+    for i in range(n):
+        if tokens[i] != p_tokens[i] or parents[i] != p_parents[i]:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- calibration
+#
+# Learning scales the priors per *row* of cells (memory: rival x depth; suffix: source x
+# matched length): factor = (holds + w) / (prior-expected holds + w) over the row's tested
+# nodes, so every cell of a row moves together, from pooled evidence. The priors keep their
+# shape (q, agreement), which a few hundred observations per cell could only add noise to.
+
+N_ROWS = MEM_ROWS + 2 * SUF_ES
+CELL_CAP = 512.0  # per-row observation window (prior-expected holds): past it, halved
+P_MAX = 0.98  # no conditional acceptance is certain
+
+
+@njit(cache=True, inline="always")
+def _cell_row(c):
+    """Row of cell c (memory rows first, then each source's matched-length rows)."""
+    if c < MEM_CELLS:
+        return c // MEM_QS
+    return MEM_ROWS + (c - MEM_CELLS) // SUF_FS
+
+
+@njit(cache=True)
+def learn_step(tokens, parents, depths, feats, n, committed, stats, prior, weight, learn,
+               table, counters):
+    """Learns from one verified proposal which of its nodes held.
+
+    A node is *tested* when its parent was accepted (the root always is); it holds if it was
+    accepted too. Accepted nodes follow the committed tokens (all but the last, the target's
+    own token) through the first n nodes of the proposal.
+
+    Args:
+        tokens, parents, depths: [>= n] the proposal (layout order).
+        feats: [3, >= n] int64 node cells per source (memory, suffix, shared), -1 = none.
+        n: nodes verified (root included).
+        committed: [c] int64 tokens committed after verification.
+        stats: [2, N_ROWS] float64 (holds, prior-expected holds) per row, halved past
+            CELL_CAP expected holds.
+        prior: [N_CELLS] float64 prior acceptance per cell; weight: pseudo-holds (and
+            pseudo-expected holds) of each row's prior factor 1.
+        learn: update stats and table (False: counters only, the table stays at the prior).
+        table: [N_CELLS] float64 the builders' table: prior * row factor, at most P_MAX.
+        counters: [3, 3, MAX_DEPTH + 1] float64 (tested, held, predicted) x source x depth.
+
+    Returns the number of accepted draft nodes.
+    """
+    acc = np.zeros(n, np.bool_)
+    acc[0] = True
+    cur = 0
+    n_acc = 0
+    for j in range(committed.shape[0] - 1):
+        found = -1
+        for i in range(cur + 1, n):
+            if parents[i] == cur and tokens[i] == committed[j]:
+                found = i
+                break
+        if found < 0:
+            break
+        acc[found] = True
+        cur = found
+        n_acc += 1
+    top = counters.shape[2] - 1
+    touched = np.zeros(N_ROWS, np.bool_)
+    for i in range(1, n):
+        if not acc[parents[i]]:
+            continue
+        held = 1.0 if acc[i] else 0.0
+        d = min(depths[i], top)
+        for f in range(3):
+            c = feats[f, i]
+            if c < 0:
+                continue
+            counters[0, f, d] += 1.0
+            counters[1, f, d] += held
+            counters[2, f, d] += table[c]
+            if learn:
+                r = _cell_row(c)
+                stats[0, r] += held
+                stats[1, r] += prior[c]
+                if stats[1, r] > CELL_CAP:
+                    stats[0, r] *= 0.5
+                    stats[1, r] *= 0.5
+                touched[r] = True
+    for r in range(N_ROWS):
+        if touched[r]:
+            _refresh_row(r, stats, prior, weight, table)
+    return n_acc
+
+
+@njit(cache=True)
+def _refresh_row(r, stats, prior, weight, table):
+    factor = (stats[0, r] + weight) / (stats[1, r] + weight)
+    if r < MEM_ROWS:
+        first, width = r * MEM_QS, MEM_QS
+    else:
+        first, width = MEM_CELLS + (r - MEM_ROWS) * SUF_FS, SUF_FS
+    for c in range(first, first + width):
+        table[c] = min(P_MAX, prior[c] * factor)
+
+
+@njit(cache=True)
+def refresh_table(stats, prior, weight, table):
+    """Recomputes every cell of the builders' table from the row counts."""
+    for r in range(N_ROWS):
+        _refresh_row(r, stats, prior, weight, table)

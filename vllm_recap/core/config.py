@@ -69,6 +69,33 @@ class DraftMode(enum.Enum):
     chain by the engine's own rejection sampler. Sampled requests always get this."""
 
 
+class SuffixMode(enum.Enum):
+    """How continuations of earlier text enter a RECAP best-first tree."""
+
+    EVIDENCE = "evidence"
+    """Default: continuations are grown best-first from the suffix automata's transitions --
+    every distinct token that followed an earlier occurrence of the matched context, counted
+    -- so there can be several, and they run as deep as their estimated probability of
+    acceptance holds (longer matched contexts, longer continuations), up to suffix_len nodes
+    on top of the node budget. Memory candidates grow from continuation nodes too."""
+    EARLIEST = "earliest"
+    """Ablation (the original insertion): one continuation of at most suffix_len tokens from
+    the earliest earlier occurrence of the longest repeated suffix, merged after the budget
+    with the suffix_prior score floor. The shared index is not used."""
+
+
+class SharedIndexMode(enum.Enum):
+    """What finished requests leave in the shared continuation index (per cache_salt)."""
+
+    OUTPUTS = "outputs"
+    """Default: each finished request's output becomes a continuation source for later
+    requests of its partition."""
+    OUTPUTS_AND_PROMPTS = "outputs_and_prompts"
+    """Prompt and output, as one document."""
+    OFF = "off"
+    """Ablation: no shared index; continuations come from the request's own text only."""
+
+
 class BudgetPolicy(enum.Enum):
     """How many tree nodes each step verifies."""
 
@@ -86,6 +113,8 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "tree_shape": TreeShape,
     "draft_mode": DraftMode,
     "budget_policy": BudgetPolicy,
+    "suffix_mode": SuffixMode,
+    "shared_index": SharedIndexMode,
 }
 _TUPLE_FIELDS = ("priors", "depth_discounts")
 
@@ -104,26 +133,54 @@ class RecapConfig:
     Must equal the K of the rows the engine passes to `Drafter.observe`. Range [1, 64]."""
 
     max_depth: int = 10
-    """Deepest draft level (root = depth 0). Range [1, MAX_DEPTH = 64]."""
+    """Deepest level of a memory node (root = depth 0). Continuations (suffix_mode evidence)
+    may reach level max(max_depth, suffix_len). Range [1, MAX_DEPTH = 64]."""
 
     node_budget: int = 63
     """Draft nodes per tree, root excluded, before suffix insertion; `Drafter.propose` may
     override it per call (0 = no draft). For TOKEN_RECYCLING and the FIXED tree it truncates
     the 80-node template (set 80 for the full template). Range [0, 1024]."""
 
-    suffix_len: int = 4
-    """Tokens of the suffix-automaton continuation merged into the tree on top of the budget;
-    0 turns suffix insertion off. Range [0, 64]."""
+    suffix_len: int = 16
+    """Continuation nodes per tree on top of the node budget (all continuations together;
+    with suffix_mode earliest, the length of the one continuation). 0 turns continuations
+    off. vLLM's num_speculative_tokens defaults to node_budget + suffix_len. Range [0, 64]."""
 
     suffix_min_match: int = 1
-    """Shortest matched history suffix (tokens) for which the continuation is used.
-    Range [1, 1024]."""
+    """Shortest matched context (tokens) a continuation is drafted from. Range [1, 1024]."""
+
+    suffix_min_prob: float = 0.1
+    """suffix_mode evidence: a continuation node is drafted only while its estimated
+    probability of acceptance (its whole path's) is at least this. Lower = more, longer and
+    riskier continuations. Range [0, 1]."""
 
     suffix_prior: float = 0.3
-    """Score floor for suffix nodes: a suffix node scores
+    """suffix_mode earliest only: score floor for suffix nodes: a suffix node scores
     parent_score * d(depth) * max(q(z | parent context), suffix_prior), where q is 0 if z is not
     among the parent's fused candidates. A node shared with the tree keeps the larger of both
     scores, so the best chain follows the suffix branch where it scores higher. Range (0, 1]."""
+
+    suffix_mode: SuffixMode = SuffixMode.EVIDENCE
+    """How continuations enter the tree; see SuffixMode (earliest = the original insertion,
+    for ablations). Used by the RECAP policy with tree_shape best_first; the FIXED template
+    always uses the earliest-occurrence insertion."""
+
+    shared_index: SharedIndexMode = SharedIndexMode.OUTPUTS
+    """What finished requests leave for later ones of the same cache_salt; see
+    SharedIndexMode. Used with suffix_mode evidence."""
+
+    shared_index_tokens: int = 32768
+    """Corpus cap of each partition's shared index (tokens); past it the oldest documents
+    are dropped until half is left. At most max_partitions partitions (least recently used
+    evicted), each about 244 bytes per token at the cap: ~8 MB at the default.
+    Range [64, 16777216]."""
+
+    calibrated_scores: bool = True
+    """Score every node (memory, continuation, shared index) by its estimated probability of
+    acceptance, calibrated online per source from what verification accepts, and lay trees
+    out best node first. False = ablation: the calibration stays at its priors (memory nodes
+    d(depth) * q, as in the paper). With suffix_mode earliest, trees are the original ones
+    either way."""
 
     priors: tuple[float, ...] = (0.70, 0.20, 0.10)
     """Specificity priors a_j by rank among the *available* rows (most specific first).
@@ -195,7 +252,10 @@ class RecapConfig:
         _check_int("node_budget", self.node_budget, 0, 1024)
         _check_int("suffix_len", self.suffix_len, 0, 64)
         _check_int("suffix_min_match", self.suffix_min_match, 1, 1024)
+        _check_float("suffix_min_prob", self.suffix_min_prob, 0.0, 1.0, low_open=False)
         _check_float("suffix_prior", self.suffix_prior, 0.0, 1.0, low_open=True)
+        _check_int("shared_index_tokens", self.shared_index_tokens, 64, 1 << 24)
+        _check_bool("calibrated_scores", self.calibrated_scores)
         _check_floats("priors", self.priors, 3, 3)
         _check_floats("depth_discounts", self.depth_discounts, 1, MAX_DEPTH)
         _check_bool("persistent_unigram", self.persistent_unigram)

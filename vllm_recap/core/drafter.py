@@ -6,11 +6,17 @@
         (engine verifies the tree)
         observe(req, tree, top-K rows)     every evaluated node updates the memories
         commit(req, accepted + bonus)      only committed tokens extend the history
-    stop(req)                              frees request-local state
+    stop(req)                              frees request-local state; publishes the output
+                                           to the shared continuation index
 
 `observe` must come before the matching `commit`: node 0 of an observed step is the root, the
 last token of the history *before* the commit. Misuse raises ValueError. Not thread-safe: one
 engine thread drives a drafter.
+
+Learning what a node is worth: when `observe` receives a prefix of the request's last
+proposal, the following `commit` says which of those nodes held (the committed tokens walk
+the accepted path), and the calibration (calibration.py) counts every node whose parent held,
+per source and evidence cell. `acceptance_snapshot` gives the per-source, per-depth counts.
 """
 
 from __future__ import annotations
@@ -21,15 +27,19 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vllm_recap.core import _kernels as kernels
+from vllm_recap.core.calibration import SourceCalibration
 from vllm_recap.core.config import (
     MAX_DEPTH,
     MAX_VOCAB_SIZE,
     Policy,
     RecapConfig,
+    SharedIndexMode,
+    SuffixMode,
     TreeShape,
     discount_table,
 )
 from vllm_recap.core.fusion import FUSION_CODES, fuse
+from vllm_recap.core.index import RESYNC_TOKENS, SharedIndex, SharedIndexPartitions
 from vllm_recap.core.memory import (
     ContextStore,
     UnigramPartitions,
@@ -50,8 +60,12 @@ _OBSERVE_ERRORS = {
 
 class _Request:
     # memories: the kernels' `Memories` bundle over unigram and ctx, kept so a step does not
-    # rebuild it (see `Drafter._memories`).
-    __slots__ = ("history", "sam", "ctx", "unigram", "salt", "memories")
+    # rebuild it (see `Drafter._memories`). index/index_gen/index_match: the shared index the
+    # request reads, the corpus generation its match was computed on, and the match [2] =
+    # (state, length). pending: the last proposal (tokens, parents, depths, feats) while it
+    # may still be verified; verified: how many of its nodes `observe` saw (0 = none yet).
+    __slots__ = ("history", "sam", "ctx", "unigram", "salt", "memories", "prompt_len",
+                 "index", "index_gen", "index_match", "pending", "verified")
 
     def __init__(self, history: list[int], ctx: ContextStore | None, unigram: UnigramTable,
                  salt: str | None, memories: tuple) -> None:
@@ -61,6 +75,12 @@ class _Request:
         self.unigram = unigram
         self.salt = salt
         self.memories = memories
+        self.prompt_len = len(history)
+        self.index: SharedIndex | None = None
+        self.index_gen = -1
+        self.index_match = np.zeros(2, np.int64)
+        self.pending: tuple[np.ndarray, ...] | None = None
+        self.verified = 0
 
 
 class Drafter:
@@ -96,6 +116,18 @@ class Drafter:
         fusion = kernels.FUSE_BACKOFF if tr else FUSION_CODES[config.fusion]
         self._template = tr or config.tree_shape is TreeShape.FIXED
         self._suffix_len = 0 if tr else config.suffix_len
+        # Evidence-scaled continuations and one calibrated score (best-first RECAP only; the
+        # template builders keep the original suffix insertion).
+        self._evidence = not self._template and config.suffix_mode is SuffixMode.EVIDENCE
+        self._calibration = SourceCalibration(config.calibrated_scores)
+        self._shared = (
+            SharedIndexPartitions(config.shared_index_tokens, config.max_partitions)
+            if self._evidence and self._suffix_len > 0
+            and config.shared_index is not SharedIndexMode.OFF else None
+        )
+        self._publish_prompts = config.shared_index is SharedIndexMode.OUTPUTS_AND_PROMPTS
+        self._no_match = SuffixAutomaton().arrays()  # placeholder automaton (state 0 = none)
+        self._min_prob = float(config.suffix_min_prob)
         # kernels.DraftParams at the configured max_depth (`propose` may override it). A float
         # suffix_prior even if given as an int, or the builders would compile twice.
         self._params = (config.max_depth, discount_table(config.depth_discounts),
@@ -115,6 +147,7 @@ class Drafter:
         self._template_arrays = (TEMPLATE_PARENTS, TEMPLATE_RANKS)
         self._allocate_outputs(1 + max(config.node_budget, len(TEMPLATE_PARENTS))
                                + config.suffix_len)
+        self._stats = {"published": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -149,6 +182,10 @@ class Drafter:
         if prompt_rows is not None:
             self._seed(req_id, prompt, prompt_rows, req)
         req.sam = SuffixAutomaton(prompt) if self._suffix_len > 0 else None
+        if self._shared is not None:
+            req.index = self._shared.get(salt)
+            req.index.match(prompt, req.index_match)
+            req.index_gen = req.index.generation
         self._requests[req_id] = req
 
     def observe(self, req_id: str, node_tokens: np.ndarray, parents: np.ndarray,
@@ -192,6 +229,12 @@ class Drafter:
         status = kernels.observe_tree(tokens, parents, h2, h1, ids, probs, self._memories(req))
         if status:
             raise ValueError(f"request {req_id!r}: observe: {_OBSERVE_ERRORS[status]}")
+        pending = req.pending
+        if pending is not None and n > 1:
+            if kernels.same_prefix(tokens, parents, pending[0], pending[1]):
+                req.verified = n
+            else:  # verified something else: it says nothing about the proposal
+                req.pending = None
 
     def commit(self, req_id: str, tokens: Sequence[int]) -> None:
         """Appends committed tokens (accepted drafts + bonus) to the history."""
@@ -201,9 +244,20 @@ class Drafter:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(
                     f"request {req_id!r}: committed token {t} outside [0, {self.vocab_size})")
+        committed = np.array(new, np.int64)
+        if req.pending is not None:
+            if req.verified:
+                tokens, parents, depths, feats = req.pending
+                self._calibration.learn_step(tokens, parents, depths, feats, req.verified,
+                                             committed)
+            req.pending = None
+            req.verified = 0
         req.history.extend(new)
         if req.sam is not None:
-            req.sam.extend(np.array(new, np.int64))
+            req.sam.extend(committed)
+        index = req.index
+        if index is not None and index.generation == req.index_gen:
+            index.sam.match_against(committed, req.index_match)
 
     def propose(self, req_id: str, node_budget: int | None = None,
                 max_depth: int | None = None) -> DraftTree:
@@ -228,8 +282,12 @@ class Drafter:
             raise ValueError(f"propose: max_depth = {depth} must be <= MAX_DEPTH = {MAX_DEPTH}")
         hist = req.history
         root = hist[-1]
+        req.pending = None
+        req.verified = 0
         if budget == 0 or depth == 0:
             return DraftTree.root_only(root)
+        if self._evidence:
+            return self._propose_evidence(req, budget, depth, max_depth is not None)
         suffix = self._no_suffix
         if req.sam is not None:
             suffix = req.sam.continuation(self._suffix_len, self._suffix_min_match)
@@ -246,13 +304,58 @@ class Drafter:
         else:
             n, chain = kernels.build_best_first(hist3, budget, params, memories, suffix,
                                                 out_ints, out_scores)
-        ints = out_ints[:, :n].copy()  # one copy for tokens, parents and depths
+        ints = out_ints[:3, :n].copy()  # one copy for tokens, parents and depths
         return DraftTree(ints[0], ints[1], out_scores[:n].copy(), chain, ints[2])
 
+    def _propose_evidence(self, req: _Request, budget: int, depth: int,
+                          depth_given: bool) -> DraftTree:
+        """`propose` with suffix_mode evidence: one best-first tree over every source."""
+        hist = req.history
+        root = hist[-1]
+        allowance = self._suffix_len
+        v_l = m_l = v_s = m_s = 0
+        if req.sam is not None:
+            v_l, m_l = req.sam.matched()
+            if m_l < self._suffix_min_match:
+                v_l = 0
+        st_l, ed_l = req.sam.arrays() if req.sam is not None else self._no_match
+        index = req.index
+        st_s, ed_s = self._no_match
+        if index is not None and len(index):
+            if index.generation != req.index_gen:  # the corpus changed: match again
+                index.match(np.array(hist[-RESYNC_TOKENS:], np.int64), req.index_match)
+                req.index_gen = index.generation
+            v_s, m_s = int(req.index_match[0]), int(req.index_match[1])
+            if m_s < self._suffix_min_match:
+                v_s = 0
+            st_s, ed_s = index.sam.arrays()
+        cap = 1 + budget + allowance
+        if cap > self._out_scores.shape[0]:
+            self._allocate_outputs(cap)
+        hist3 = (root, hist[-3] if len(hist) >= 3 else -1, hist[-2] if len(hist) >= 2 else -1)
+        params = self._params if not depth_given else (depth, *self._params[1:])
+        suf_depth = min(MAX_DEPTH, max(depth, allowance))
+        out_ints, out_scores, out_feats = self._out_ints, self._out_scores, self._out_feats
+        n, chain = kernels.build_evidence(
+            hist3, (budget, allowance, suf_depth, self._min_prob), params, self._memories(req),
+            (st_l, ed_l, v_l, m_l, st_s, ed_s, v_s, m_s), self._calibration.kernel_args(),
+            out_ints, out_scores, out_feats)
+        ints = out_ints[:, :n].copy()
+        tree = DraftTree(ints[0], ints[1], out_scores[:n].copy(), chain, ints[2], ints[3])
+        if n > 1:
+            req.pending = (tree.tokens, tree.parents, tree.depths, out_feats[:, :n].copy())
+        return tree
+
     def stop(self, req_id: str) -> None:
-        """Frees the request's local state (C, G, suffix automaton, private U)."""
-        if self._requests.pop(req_id, None) is None:
+        """Frees the request's local state (C, G, suffix automaton, private U) and publishes
+        its output (with its prompt, if configured) to its partition's shared index."""
+        req = self._requests.pop(req_id, None)
+        if req is None:
             raise ValueError(f"unknown request {req_id!r}")
+        if self._shared is not None and len(req.history) > req.prompt_len:
+            start = 0 if self._publish_prompts else req.prompt_len
+            self._shared.get(req.salt).publish(np.array(req.history[start:], np.int64))
+            self._stats["published"] += 1
 
     # ------------------------------------------------------------------ introspection
 
@@ -275,8 +378,25 @@ class Drafter:
         """The request's C/G store (None when context memories are off)."""
         return self._get(req_id).ctx
 
+    def acceptance_snapshot(self) -> dict[str, dict[str, list[float]]]:
+        """Acceptance per node source and depth since this drafter started (suffix_mode
+        evidence; see `SourceCalibration.snapshot`): for "memory", "suffix" and "shared",
+        lists by depth 1, 2, ... of nodes tested (parent accepted), held, the rate and the
+        mean probability the calibration predicted."""
+        return self._calibration.snapshot()
+
+    @property
+    def calibration(self) -> SourceCalibration:
+        """The drafter's calibration table (shared by all its requests)."""
+        return self._calibration
+
+    def shared_index(self, salt: str | None = None) -> SharedIndex | None:
+        """The shared continuation index of a partition (None when it is off)."""
+        return self._shared.get(salt) if self._shared is not None else None
+
     def memory_stats(self) -> dict[str, int]:
-        """Sizes for benchmarks: U tables (partitions + private), C/G rows and bytes."""
+        """Sizes for benchmarks: U tables (partitions + private), C/G rows and bytes, shared
+        index partitions, tokens and bytes."""
         tables = {id(t): t for t in (self._partitions.tables() if self._partitions else [])}
         for req in self._requests.values():
             tables.setdefault(id(req.unigram), req.unigram)
@@ -289,6 +409,10 @@ class Drafter:
             "context_rows": sum(c.num_rows for c in ctxs),
             "context_bytes": sum(c.nbytes for c in ctxs),
             "history_tokens": sum(len(r.history) for r in self._requests.values()),
+            "index_partitions": len(self._shared) if self._shared else 0,
+            "index_tokens": sum(len(i) for i in self._shared.indexes()) if self._shared else 0,
+            "index_bytes": sum(i.nbytes for i in self._shared.indexes()) if self._shared else 0,
+            "index_published": self._stats["published"],
         }
 
     # ------------------------------------------------------------------ helpers
@@ -303,8 +427,9 @@ class Drafter:
         # Kernel output buffers, reused across calls (tokens, parents and depths share one
         # array so a DraftTree needs two copies, not four); each tree gets copies of the first
         # n entries.
-        self._out_ints = np.empty((3, size), np.int64)
+        self._out_ints = np.empty((4, size), np.int64)  # row 3: source bits (evidence)
         self._out_scores = np.empty(size, np.float64)
+        self._out_feats = np.empty((3, size), np.int64)
 
     @staticmethod
     def _memories(req: _Request) -> tuple:
@@ -364,19 +489,22 @@ def warmup() -> float:
     rng = np.random.default_rng(0)
     vocab, k = 64, 8
     for cfg in (RecapConfig(node_budget=16),
+                RecapConfig(node_budget=16, suffix_mode=SuffixMode.EARLIEST),
                 RecapConfig(node_budget=16, tree_shape=TreeShape.FIXED),
                 RecapConfig(node_budget=16, policy=Policy.TOKEN_RECYCLING)):
         drafter = Drafter(cfg, vocab, blocked_token_ids=[vocab - 1])
         prompt = rng.integers(0, vocab - 1, 24).tolist()
         rows = (rng.integers(0, vocab, (24, k)), rng.random((24, k)), np.arange(24))
-        drafter.start("warmup", prompt + prompt, prompt_rows=rows)
-        for _ in range(3):
-            tree = drafter.propose("warmup")
-            n = tree.num_nodes
-            drafter.observe("warmup", tree.tokens, tree.parents, rng.integers(0, vocab, (n, k)),
-                            rng.random((n, k)))
-            drafter.commit("warmup", [int(rng.integers(0, vocab - 1))])
-        drafter.stop("warmup")
+        for _ in range(2):  # the second request reads the first one's shared output
+            drafter.start("warmup", prompt + prompt, prompt_rows=rows)
+            for _ in range(3):
+                tree = drafter.propose("warmup")
+                n = tree.num_nodes
+                drafter.observe("warmup", tree.tokens, tree.parents,
+                                rng.integers(0, vocab, (n, k)), rng.random((n, k)))
+                drafter.commit("warmup", [int(tree.tokens[min(1, n - 1)]),
+                                          int(rng.integers(0, vocab - 1))])
+            drafter.stop("warmup")
     DraftTree(tree.tokens, tree.parents, tree.scores)  # best_chain_length (trees built by hand)
     fuse(np.arange(16).reshape(2, 8), np.ones((2, 8)))  # fuse_rows
     store = ContextStore(k, 4 * ContextStore.INITIAL_ROWS)

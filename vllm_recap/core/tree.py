@@ -14,6 +14,12 @@ import numpy as np
 from vllm_recap.core import _kernels as kernels
 
 
+# Bits of DraftTree.sources.
+SOURCE_MEMORY = 1  # a fused candidate of the memories (G/C/U)
+SOURCE_SUFFIX = 2  # a continuation of the request's own prompt + output
+SOURCE_SHARED = 4  # a continuation from the shared index (earlier requests' outputs)
+
+
 class DraftTree:
     """A proposed draft tree (treat as immutable).
 
@@ -23,19 +29,24 @@ class DraftTree:
         scores: [n] float64 builder scores; root 1.0. Higher = more likely accepted.
         chain_len: L, the length of the best chain laid out at 1..L (derived if -1).
         depths: [n] int64 node depths, root 0 (the builders write them; derived if None).
+        sources: [n] int64 bit mask of the sources that proposed each node (SOURCE_MEMORY,
+            SOURCE_SUFFIX, SOURCE_SHARED; 0 for the root), or None where the builder does not
+            track them (suffix_mode earliest, Token Recycling, trees built by hand).
     """
 
     # A plain slotted class, not a frozen dataclass: construction is on the per-step hot path
     # and frozen dataclasses pay object.__setattr__ per field.
-    __slots__ = ("tokens", "parents", "scores", "chain_len", "depths")
+    __slots__ = ("tokens", "parents", "scores", "chain_len", "depths", "sources")
 
     def __init__(self, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray,
-                 chain_len: int = -1, depths: np.ndarray | None = None) -> None:
+                 chain_len: int = -1, depths: np.ndarray | None = None,
+                 sources: np.ndarray | None = None) -> None:
         self.tokens = tokens
         self.parents = parents
         self.scores = scores
         self.chain_len = _chain_length(parents, scores) if chain_len < 0 else int(chain_len)
         self.depths = tree_depths(parents) if depths is None else depths
+        self.sources = sources
 
     def __repr__(self) -> str:
         return (f"DraftTree(tokens={self.tokens.tolist()}, parents={self.parents.tolist()}, "
@@ -75,7 +86,8 @@ class DraftTree:
         """The first `n_nodes` nodes, root included (a valid tree since parents come first)."""
         n = max(1, min(int(n_nodes), self.num_nodes))
         return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n],
-                         min(self.chain_len, n - 1), self.depths[:n])
+                         min(self.chain_len, n - 1), self.depths[:n],
+                         None if self.sources is None else self.sources[:n])
 
     def is_chain(self) -> bool:
         """True if every node's parent is the node before it (a single path)."""

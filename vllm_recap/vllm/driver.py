@@ -281,7 +281,7 @@ class StepDriver:
             # actually scheduled.
             self.records.get(ctx.plan.req_ids[i]).proposal = tree
             drafts[i] = tree.draft_tokens[:b].tolist()
-        self.metrics.maybe_log(len(self.records))
+        self.metrics.maybe_log(len(self.records), self.drafter.acceptance_snapshot)
         self._note_idle()
         ctx.timing.work += time.perf_counter() - t0
         self.clock.step_finished(ctx.timing)

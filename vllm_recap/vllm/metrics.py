@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,17 +61,36 @@ class TreeMetrics:
             "per_depth_acceptance": per_depth,
         }
 
-    def maybe_log(self, live_requests: int) -> None:
-        """The periodic "RECAP metrics" line (every ``log_interval_s`` while drafting)."""
+    def maybe_log(self, live_requests: int,
+                  sources: Callable[[], dict[str, dict[str, list]]] | None = None) -> None:
+        """The periodic "RECAP metrics" line (every ``log_interval_s`` while drafting).
+
+        Args:
+            live_requests: requests holding request-local state.
+            sources: the drafter's per-source acceptance (`Drafter.acceptance_snapshot`),
+                called only when a line is logged; its per-depth rates join the line.
+        """
         now = time.monotonic()
         if now - self._last_log < self.log_interval_s or not self.steps:
             return
         self._last_log = now
         s = self.snapshot()
         logger.info("RECAP metrics: %d tree steps, mean draft nodes %.1f, mean acceptance length "
-                    "%.2f, per-depth acceptance %s, live requests %d", s["steps"],
+                    "%.2f, per-depth acceptance %s, live requests %d%s", s["steps"],
                     s["mean_nodes"], s["acceptance_length"], s["per_depth_acceptance"],
-                    live_requests)
+                    live_requests, format_sources(sources() if sources else {}))
+
+
+def format_sources(snapshot: dict[str, dict[str, list]], depths: int = 6) -> str:
+    """"; per-source acceptance by depth: memory [..] (n tested), ..." for the metrics line:
+    of the nodes each source proposed whose parent was accepted, the share accepted, per depth
+    (first ``depths`` depths); sources never tested are left out."""
+    parts = []
+    for name, row in snapshot.items():
+        tested = sum(row["tested"])
+        if tested:
+            parts.append(f"{name} {row['rate'][:depths]} ({tested} tested)")
+    return "; per-source acceptance by depth: " + ", ".join(parts) if parts else ""
 
 
 def log_idle(memory: dict[str, int]) -> None:
