@@ -198,3 +198,31 @@ def test_cost_is_learned_per_context_length() -> None:
     # an unmeasured context: plain decoding is measured there first
     assert ctl.choose([tree], 0, context=6000) == 0
     assert not ctl.cost.measured(1, 6000) and ctl.cost.measured(17, 1500)
+
+
+def test_a_new_context_bucket_prices_larger_sizes_by_growth_measured_elsewhere() -> None:
+    """Under load the mean context moves from bucket to bucket; a bucket where only the plain
+    step is measured used to price every larger size like the plain step, so each new bucket
+    started by verifying the largest trees (c=4: 0.85x of no speculation)."""
+    m = StepCostModel()
+    m.observe(4, 0.030, context=300)
+    m.observe(40, 0.075, context=300)
+    m.observe(4, 0.032, context=700)  # the next bucket: only the plain size so far
+    assert m.estimate(40, context=700) == pytest.approx(0.032 * 0.075 / 0.030)
+    assert m.estimate(22, context=700) == pytest.approx(0.032 * np.interp(
+        StepCostModel.bucket(22), [4, StepCostModel.bucket(40)], [0.030, 0.075]) / 0.030)
+    assert m.estimate(4, context=700) == pytest.approx(0.032)  # own measurements first
+    lone = StepCostModel()
+    lone.observe(4, 0.030, context=300)  # nothing measured beyond: still optimistic
+    assert lone.estimate(40, context=300) == pytest.approx(0.030)
+
+
+def test_poor_trees_in_a_new_context_bucket_are_not_explored_at_full_size() -> None:
+    ctl = BudgetController(16, DISCOUNTS)
+    tree = chain_tree(16, 0.3)
+    for _ in range(40):
+        ctl.calibration().observe(np.arange(17), tree.scores, 1)
+    for n, sec in ((4, 0.030), (8, 0.033), (20, 0.045), (36, 0.062), (68, 0.11)):
+        ctl.observe_step(n, sec, context=300)
+    ctl.observe_step(4, 0.032, context=700)
+    assert ctl.choose([tree] * 4, fixed_tokens=0, context=700) <= 1

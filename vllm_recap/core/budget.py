@@ -87,17 +87,33 @@ class StepCostModel:
         self._mean[key] = old + self.ema * (seconds - old) if blend else seconds
         self._last[key] = self.steps
 
+    def _buckets_by_distance(self, context: float) -> list[int]:
+        """Measured context buckets, nearest to ``context``'s first (the larger on a tie)."""
+        want = self.context_bucket(context)
+        return sorted({c for c, _ in self._mean}, key=lambda c: (abs(c - want), -c))
+
+    def _curve(self, ctx: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sizes, monotone seconds) measured in context bucket ``ctx``."""
+        sizes = np.array(sorted(n for c, n in self._mean if c == ctx), dtype=np.float64)
+        values = np.minimum.accumulate([self._mean[(ctx, int(n))] for n in sizes[::-1]])[::-1]
+        return sizes, values
+
     def _sizes(self, context: float) -> tuple[np.ndarray, np.ndarray] | None:
         """Measured (sizes, monotone seconds) of the nearest context bucket with data."""
         if not self._mean:
             return None
-        want = self.context_bucket(context)
-        have = {c for c, _ in self._mean}
-        # the same bucket if measured, else the nearest (the larger one on a tie: dearer)
-        ctx = min(have, key=lambda c: (abs(c - want), -c))
-        sizes = np.array(sorted(n for c, n in self._mean if c == ctx), dtype=np.float64)
-        values = np.minimum.accumulate([self._mean[(ctx, int(n))] for n in sizes[::-1]])[::-1]
-        return sizes, values
+        return self._curve(self._buckets_by_distance(context)[0])
+
+    def _growth(self, context: float, own: tuple[np.ndarray, np.ndarray], size: float) -> float:
+        """How much dearer ``size`` is than the largest size of the bucket ``own`` came from,
+        by the nearest other context bucket that measured beyond it (1.0 if none did)."""
+        top = own[0][-1]
+        for ctx in self._buckets_by_distance(context)[1:]:
+            sizes, values = self._curve(ctx)
+            if sizes[-1] > top:
+                return max(1.0, float(np.interp(size, sizes, values) / np.interp(top, sizes,
+                                                                                 values)))
+        return 1.0
 
     def estimate(self, num_tokens: int, context: float = 0) -> float | None:
         """Expected seconds for a step of ``num_tokens`` tokens (None before any measurement).
@@ -105,14 +121,21 @@ class StepCostModel:
         Measured sizes use their average, made monotone from above (a size never costs more
         than a larger measured one: one slow step at a small size, say during a burst of
         arrivals, must not make the sizes above it look free). Sizes between two measured
-        ones are interpolated linearly; sizes beyond the largest measured one cost what it
-        costs (optimistic, so they get tried), sizes below the smallest what the smallest does.
+        ones are interpolated linearly, sizes below the smallest cost what the smallest does.
+        Sizes beyond the largest measured one grow from it as they grow in the nearest other
+        context bucket that measured them (a new context bucket would otherwise price every
+        larger size like its plain step, and under load, where the mean context keeps moving,
+        exploring those sizes bucket after bucket cost more than drafting won); where no
+        bucket measured them, they cost what the largest does (optimistic, so they get tried).
         """
         found = self._sizes(context)
         if found is None:
             return None
         sizes, values = found
-        return float(np.interp(self.bucket(num_tokens), sizes, values))  # flat beyond ends
+        n = self.bucket(num_tokens)
+        if n <= sizes[-1]:
+            return float(np.interp(n, sizes, values))
+        return float(values[-1]) * self._growth(context, found, n)
 
     def measured(self, num_tokens: int, context: float = 0) -> bool:
         """True if this size has its own measurement in this context bucket."""
