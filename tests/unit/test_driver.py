@@ -252,6 +252,30 @@ def test_no_idling_while_the_drafter_has_nothing_to_offer():
     assert driver.stats["idle_steps"] == 0 and len(observed) >= 3 * 39
 
 
+def test_batch_node_budget_bounds_continuations_too():
+    """batch_node_budget is a hard cap on the step's draft nodes; continuation nodes come on
+    top of the drafter's memory-node budget and used to break it (3 requests, cap 9: up to
+    3 + 4 nodes each)."""
+    config = RecapConfig(node_budget=8, suffix_len=4, batch_node_budget=9,
+                         budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config)
+    driver = engine.drivers[0]
+    driver.budget.choose = lambda trees, prefill, kinds=None, context=0: 12  # drafting pays
+    per_step = []
+    original = driver.propose
+
+    def propose(runner, so, sampled, hidden):
+        drafts = original(runner, so, sampled, hidden)
+        per_step.append(sum(len(d) for d in drafts))
+        return drafts
+
+    driver.propose = propose
+    _add_all(engine, 60)
+    out = engine.run()
+    assert out == _reference(engine.target, 60)
+    assert max(per_step) <= 9 and max(per_step) > 3
+
+
 def test_requests_finishing_in_an_idle_step_are_freed_at_once():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)

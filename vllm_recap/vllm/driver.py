@@ -267,7 +267,13 @@ class StepDriver:
                  for i, sampled in enumerate(sampled_token_ids)]
         decoding = [i for i, room in enumerate(rooms) if room > 0]
         cap = self._node_budget(len(decoding))
-        trees = {i: self._draft(runner, ctx.plan.req_ids[i], min(cap, rooms[i]), rooms[i])
+        # batch_node_budget bounds every draft node of the step, continuations included (the
+        # drafter adds those on top of its memory-node budget; trees are laid out best node
+        # first, so the cut keeps the best).
+        batch_cap = (self.config.batch_node_budget // len(decoding)
+                     if self.config.batch_node_budget and decoding else None)
+        trees = {i: self._draft(runner, ctx.plan.req_ids[i], min(cap, rooms[i]),
+                                rooms[i] if batch_cap is None else min(rooms[i], batch_cap))
                  for i in decoding}
         b = cap
         if self.adaptive and trees:
