@@ -596,10 +596,9 @@ def best_chain_length(parents, scores):
 
 
 @njit(cache=True)
-def _chain_first(n, nodes, out_ints, out_scores):
-    """Re-lays the tree so the best chain sits at 1..L; the rest keep their order, so
-    parents-first still holds. Writes out_ints[:, :n] and out_scores[:n]; returns (n, L)."""
-    tok, par, score, depth, _, _ = nodes
+def _chain_order(par, score, n):
+    """The root, then the best chain at 1..L. Returns (order [n], filled up to L;
+    placed [n] bool, the nodes already in it; L)."""
     best = _best_children(par, score, n)
     order = np.empty(n, np.int64)
     placed = np.zeros(n, np.bool_)
@@ -612,11 +611,14 @@ def _chain_first(n, nodes, out_ints, out_scores):
         order[m] = v
         placed[v] = True
         m += 1
-    chain_len = m - 1
-    for u in range(1, n):
-        if not placed[u]:
-            order[m] = u
-            m += 1
+    return order, placed, m - 1
+
+
+@njit(cache=True)
+def _write_order(order, n, nodes, out_ints, out_scores):
+    """Writes nodes in `order` (parents first): out_ints[:3, :n] (tokens, parents re-indexed,
+    depths) and out_scores[:n]."""
+    tok, par, score, depth, _, _ = nodes
     new_index = np.empty(n, np.int64)
     for i in range(n):
         new_index[order[i]] = i
@@ -626,6 +628,19 @@ def _chain_first(n, nodes, out_ints, out_scores):
         out_ints[1, i] = new_index[par[u]] if par[u] >= 0 else -1
         out_ints[2, i] = depth[u]
         out_scores[i] = score[u]
+
+
+@njit(cache=True)
+def _chain_first(n, nodes, out_ints, out_scores):
+    """Re-lays the tree so the best chain sits at 1..L; the rest keep their order, so
+    parents-first still holds. Writes out_ints[:, :n] and out_scores[:n]; returns (n, L)."""
+    order, placed, chain_len = _chain_order(nodes[1], nodes[2], n)
+    m = chain_len + 1
+    for u in range(1, n):
+        if not placed[u]:
+            order[m] = u
+            m += 1
+    _write_order(order, n, nodes, out_ints, out_scores)
     return n, chain_len
 
 
@@ -1231,44 +1246,27 @@ def _layout_by_score(n, nodes, feat, out_ints, out_scores, out_feats):
     is parents-first; should rounding ever break that, the build order is used instead.
     Writes out_ints[:, :n], out_scores[:n], out_feats[:, :n]; returns (n, L).
     """
-    tok, par, score, depth, _, _ = nodes
-    best = _best_children(par, score, n)
-    order = np.empty(n, np.int64)
-    placed = np.zeros(n, np.bool_)
-    order[0] = 0
-    placed[0] = True
-    m = 1
-    v = 0
-    while best[v] >= 0:
-        v = best[v]
-        order[m] = v
-        placed[v] = True
-        m += 1
-    chain_len = m - 1
-    rest = np.argsort(-score[:n], kind="mergesort")
-    for u in rest:
+    par, score = nodes[1], nodes[2]
+    order, placed, chain_len = _chain_order(par, score, n)
+    m = chain_len + 1
+    for u in np.argsort(-score[:n], kind="mergesort"):
         if not placed[u]:
             order[m] = u
             m += 1
-    new_index = np.empty(n, np.int64)
+    position = np.empty(n, np.int64)
     for i in range(n):
-        new_index[order[i]] = i
+        position[order[i]] = i
     for i in range(1, n):
-        if new_index[par[order[i]]] >= i:  # not parents-first: keep the build order
+        if position[par[order[i]]] >= i:  # not parents-first: keep the build order
             m = chain_len + 1
             for u in range(1, n):
                 if not placed[u]:
                     order[m] = u
                     m += 1
-            for j in range(n):
-                new_index[order[j]] = j
             break
+    _write_order(order, n, nodes, out_ints, out_scores)
     for i in range(n):
         u = order[i]
-        out_ints[0, i] = tok[u]
-        out_ints[1, i] = new_index[par[u]] if par[u] >= 0 else -1
-        out_ints[2, i] = depth[u]
-        out_scores[i] = score[u]
         mask = 0
         for f in range(3):
             out_feats[f, i] = feat[f, u]

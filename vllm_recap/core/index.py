@@ -20,11 +20,11 @@ recently used); a running request keeps its partition's index object, as with U.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections import deque
 
 import numpy as np
 
+from vllm_recap.core.memory import Partitions
 from vllm_recap.core.suffix import SuffixAutomaton
 
 # Worst case per corpus token of automaton capacity: tokens 8, states 2 x 6 x 4, edges
@@ -89,9 +89,8 @@ class SharedIndex:
         self.sam.match_against(np.ascontiguousarray(history[-RESYNC_TOKENS:], np.int64), match)
 
 
-
-class SharedIndexPartitions:
-    """Shared indexes, one per partition key (cache_salt), LRU-bounded like `UnigramPartitions`.
+class SharedIndexPartitions(Partitions[SharedIndex]):
+    """Shared indexes, one per partition key (cache_salt), LRU-bounded (`Partitions`).
 
     Args:
         max_tokens: corpus cap of each partition.
@@ -99,27 +98,7 @@ class SharedIndexPartitions:
     """
 
     def __init__(self, max_tokens: int, max_partitions: int) -> None:
-        self.max_tokens = max_tokens
-        self.max_partitions = max_partitions
-        self._indexes: OrderedDict[Hashable, SharedIndex] = OrderedDict()
-
-    def get(self, salt: Hashable) -> SharedIndex:
-        """The index for `salt`, created (evicting the least recently used) if absent."""
-        index = self._indexes.get(salt)
-        if index is not None:
-            self._indexes.move_to_end(salt)
-            return index
-        index = SharedIndex(self.max_tokens)
-        self._indexes[salt] = index
-        while len(self._indexes) > self.max_partitions:
-            self._indexes.popitem(last=False)
-        return index
-
-    def __len__(self) -> int:
-        return len(self._indexes)
-
-    def __contains__(self, salt: Hashable) -> bool:
-        return salt in self._indexes
+        super().__init__(lambda: SharedIndex(max_tokens), max_partitions)
 
     def indexes(self) -> list[SharedIndex]:
-        return list(self._indexes.values())
+        return self.values()

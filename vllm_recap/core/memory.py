@@ -8,11 +8,14 @@ and their lifetimes. Layout and key packing are described in ``_kernels.py``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from vllm_recap.core import _kernels as kernels
+
+T = TypeVar("T")
 
 
 def _decode(rec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -129,38 +132,51 @@ def empty_context_arrays(k: int) -> tuple[np.ndarray, ...]:
     return ContextStore(k, 16).arrays()
 
 
-class UnigramPartitions:
-    """Persistent U tables, one per partition key (cache_salt), LRU-bounded.
+class Partitions(Generic[T]):
+    """Per-partition objects (one per cache_salt), LRU-bounded.
 
-    A request keeps a reference to its table, so evicting a partition never disturbs a running
-    request; new requests with that salt start from a fresh table. Memory is thus bounded by
-    `max_partitions` tables plus those held by running requests of evicted salts.
+    A request keeps a reference to its partition's object, so evicting a partition never
+    disturbs a running request; new requests with that salt start from a fresh one. Memory is
+    thus bounded by `max_partitions` objects plus those held by running requests of evicted
+    salts.
+
+    Args:
+        make: builds the object of a new partition.
+        max_partitions: most partitions kept (least recently used evicted).
     """
 
-    def __init__(self, vocab_size: int, k: int, max_partitions: int) -> None:
-        self.vocab_size = vocab_size
-        self.k = k
+    def __init__(self, make: Callable[[], T], max_partitions: int) -> None:
+        self._make = make
         self.max_partitions = max_partitions
-        self._tables: OrderedDict[Hashable, UnigramTable] = OrderedDict()
+        self._items: OrderedDict[Hashable, T] = OrderedDict()
 
-    def get(self, salt: Hashable) -> UnigramTable:
-        """The table for `salt`, created (evicting the least recently used) if absent."""
-        table = self._tables.get(salt)
-        if table is not None:
-            self._tables.move_to_end(salt)
-            return table
-        table = UnigramTable(self.vocab_size, self.k)
-        self._tables[salt] = table
-        while len(self._tables) > self.max_partitions:
-            self._tables.popitem(last=False)
-        return table
+    def get(self, salt: Hashable) -> T:
+        """The object for `salt`, created (evicting the least recently used) if absent."""
+        item = self._items.get(salt)
+        if item is not None:
+            self._items.move_to_end(salt)
+            return item
+        item = self._items[salt] = self._make()
+        while len(self._items) > self.max_partitions:
+            self._items.popitem(last=False)
+        return item
 
     def __len__(self) -> int:
-        return len(self._tables)
+        return len(self._items)
 
     def __contains__(self, salt: Hashable) -> bool:
-        return salt in self._tables
+        return salt in self._items
+
+    def values(self) -> list[T]:
+        return list(self._items.values())
+
+
+class UnigramPartitions(Partitions[UnigramTable]):
+    """Persistent U tables, one per partition key (cache_salt), LRU-bounded (`Partitions`)."""
+
+    def __init__(self, vocab_size: int, k: int, max_partitions: int) -> None:
+        super().__init__(lambda: UnigramTable(vocab_size, k), max_partitions)
 
     def tables(self) -> list[UnigramTable]:
-        return list(self._tables.values())
+        return self.values()
 
