@@ -51,14 +51,14 @@ def test_a_measured_prefill_size_does_not_make_drafting_look_free_under_load():
 
 
 def test_calibration_prior_undoes_discounts_and_learns():
-    c = AcceptanceCalibration(DISCOUNTS, prior_mass=1.0, decay=1.0)
-    assert c.factors()[1] == pytest.approx(1 / 0.68)
+    c = AcceptanceCalibration(DISCOUNTS, prior_nodes=1.0, decay=1.0, prior_depth_mass=1.0)
+    assert c.factors()[1] == pytest.approx(np.full(c.factors().shape[1], 1 / 0.68))
     assert c.prior.shape == (MAX_DEPTH + 1,) and c.prior[0] == 1.0
     assert c.prior[7] == pytest.approx(1 / (np.prod(DISCOUNTS) * DISCOUNTS[-1]))  # d repeats
     tree = chain_tree(3, 0.5)
     depths = np.arange(4)
     for _ in range(50):  # the first draft is always accepted, deeper ones never
-        c.observe(depths, tree.scores, num_accepted=1)
+        c.observe(depths, tree.scores, accepted=np.array([1]))
     p = c.node_probabilities(depths, tree.parents, tree.scores)
     assert p[1] > 0.9 and p[2] < 0.1
     assert np.all(np.diff(p) <= 0)  # a child is never likelier than its parent
@@ -70,7 +70,7 @@ def test_observe_tree_derives_depths_when_not_given():
     given.observe_tree(tree.parents, tree.scores, 2, tree.depths)
     derived.observe_tree(tree.parents, tree.scores, 2)
     np.testing.assert_array_equal(given.calibration().mass, derived.calibration().mass)
-    assert given.calibration().mass[1:3].tolist() == pytest.approx([0.9, 0.5])
+    assert given.calibration().mass.sum(axis=1)[1:3].tolist() == pytest.approx([0.9, 0.5])
 
 
 def _controller_after(costs: dict[int, float], accept: float, steps: int = 40) -> BudgetController:
@@ -81,7 +81,7 @@ def _controller_after(costs: dict[int, float], accept: float, steps: int = 40) -
     depths = np.arange(17)
     for _ in range(steps):
         accepted = int(np.sum(np.cumprod(np.full(16, accept)) > 0.5))
-        ctl.calibration().observe(depths, tree.scores, accepted)
+        ctl.calibration().observe(depths, tree.scores, np.arange(1, accepted + 1))
     return ctl
 
 
@@ -133,7 +133,7 @@ def test_simulated_machine_is_never_slower_than_plain_decoding():
         accepted = 0
         while accepted < b and rng.random() < accept:
             accepted += 1
-        ctl.observe_step(1 + b, sec)
+        ctl.observe_step(1 + b, sec, drafts=b)
         ctl.observe_tree(tree.parents[:1 + b], tree.scores[:1 + b], accepted)
         tokens += 1 + accepted
         seconds += sec
@@ -226,3 +226,90 @@ def test_poor_trees_in_a_new_context_bucket_are_not_explored_at_full_size() -> N
         ctl.observe_step(n, sec, context=300)
     ctl.observe_step(4, 0.032, context=700)
     assert ctl.choose([tree] * 4, fixed_tokens=0, context=700) <= 1
+
+
+def test_drafted_steps_are_not_priced_by_prefill_steps_of_the_same_size() -> None:
+    """Under load a step of 52 tokens is either a prefill chunk with 4 decodes (cheap: 35 ms)
+    or 4 decodes with 48 draft tokens (150 ms here: tree attention, logits rows, acceptance).
+    Pricing drafts by token count alone took their cost from the prefill chunks around them,
+    and trees were chosen at concurrency 4 where they lost to plain decoding."""
+    ctl = BudgetController(16, DISCOUNTS)
+    tree = chain_tree(16, 0.6)
+    for i in range(300):  # the first draft is accepted 30% of the time, deeper ones never
+        ctl.observe_tree(tree.parents[:13], tree.scores[:13], int(i % 10 < 3), tree.depths[:13])
+    ctl.observe_step(4, 0.025)                 # 4 decodes
+    ctl.observe_step(52, 0.150, drafts=48)     # 4 decodes + 4 x 12 drafts
+    for _ in range(3):                         # prefill chunks of several sizes + 4 decodes
+        for n, seconds in ((36, 0.030), (52, 0.035), (68, 0.040)):
+            ctl.observe_step(n, seconds)
+            ctl.observe_step(4, 0.025)
+    assert ctl.cost.estimate(52, drafts=48) == pytest.approx(0.150)
+    assert ctl.cost.estimate(52) == pytest.approx(0.035)
+    # one draft each: 4 x 1.3 tokens for 25 + 125 / 12 ms loses to 4 tokens in 25 ms
+    assert ctl.choose([tree] * 4, fixed_tokens=0) == 0
+    # the extra cost of drafts is interpolated from zero and grows in proportion beyond
+    assert ctl.cost.estimate(28, drafts=24) == pytest.approx(0.025 + 0.125 / 2, rel=0.05)
+    assert ctl.cost.estimate(100, drafts=96) == pytest.approx(0.025 + 0.125 * 2, rel=0.1)
+
+
+def test_calibration_follows_the_score_not_only_the_depth() -> None:
+    """High-scoring first drafts are accepted 20% of the time, low-scoring ones 15%: one
+    factor per depth (mass-weighted) prices a high-scoring draft at 34%, and the budget then
+    verifies the trees it overrates. The per-score-range factor gets both right."""
+    ctl = BudgetController(16, DISCOUNTS)
+    rng = np.random.default_rng(0)
+    high = DraftTree(np.arange(2), np.array([-1, 0]), np.array([1.0, 0.5]))
+    low = DraftTree(np.arange(2), np.array([-1, 0]), np.array([1.0, 0.02]))
+    for _ in range(4000):
+        for tree, rate in ((high, 0.20), (low, 0.15)):
+            ctl.observe_tree(tree.parents, tree.scores, int(rng.random() < rate), tree.depths)
+    assert float(ctl.expected_gains(high)[1]) == pytest.approx(0.20, abs=0.04)
+    assert float(ctl.expected_gains(low)[1]) == pytest.approx(0.15, abs=0.04)
+
+
+def test_calibration_counts_the_accepted_node_not_the_best_chain() -> None:
+    """A tree whose off-chain sibling (low score) is the one accepted: the acceptance is
+    booked to that node's score range, not to the best chain's first node."""
+    ctl = BudgetController(16, DISCOUNTS)
+    tree = DraftTree(np.arange(3), np.array([-1, 0, 0]), np.array([1.0, 0.6, 0.01]))
+    for _ in range(2000):
+        ctl.observe_tree(tree.parents, tree.scores, np.array([2]), tree.depths)
+    p = ctl.calibration().node_probabilities(tree.depths, tree.parents, tree.scores)
+    assert p[1] < 0.05 and p[2] > 0.9
+
+
+def test_plain_decoding_is_priced_as_idling_without_the_drafters_work() -> None:
+    """A step that drafts nothing still pays the drafter's rows and proposals (4 ms of 29 ms
+    at concurrency 4), but choosing not to draft means idling, which skips them: plain
+    decoding costs 25 ms. Drafting one node per request for +0.15 tokens each must lose."""
+    ctl = BudgetController(16, DISCOUNTS)
+    tree = chain_tree(16, 0.6)
+    for i in range(300):  # the first draft is accepted 15% of the time
+        ctl.observe_tree(tree.parents[:2], tree.scores[:2], int(i % 20 < 3), tree.depths[:2])
+    for _ in range(4):
+        ctl.observe_step(4, 0.029, work=0.004)       # 4 decodes, drafter busy, no drafts
+        ctl.observe_step(8, 0.030, drafts=4)         # 4 decodes + 1 draft each
+    assert ctl.cost.estimate(4) == pytest.approx(0.025)
+    # against 29 ms one draft each (4.6 tokens in 30 ms) would win; against 25 ms it loses
+    assert ctl.choose([tree] * 4, fixed_tokens=0) == 0
+
+
+def test_a_level_that_disappoints_its_estimates_is_chosen_less() -> None:
+    """The winner's curse: the level the controller picks is the one whose estimate is most
+    flattering. Levels whose verified steps ran dearer and accepted fewer drafts than
+    estimated get their estimates corrected by what they actually did."""
+    costs = {n: 0.025 + 0.0011 * max(0, n - 4) for n in range(1, 80)}
+    ctl = _controller_after(costs, accept=0.95)
+    trees = [chain_tree(16, 0.95)] * 4
+    first = ctl.choose(trees, fixed_tokens=0)
+    assert first >= 8 and ctl.last_decision.level == first
+    for _ in range(20):  # that level's steps: 1.5x dearer, half the accepted drafts
+        d = ctl.last_decision
+        if d is None or d.level != first:
+            break
+        ctl.observe_outcome(d, d.seconds * 1.5, int(d.gain / 2))
+        ctl.choose(trees, fixed_tokens=0)
+    assert ctl.choose(trees, fixed_tokens=0) < first
+    cost_ratio, gain_ratio = ctl.outcomes.ratios(first)
+    assert cost_ratio > 1.05 and gain_ratio < 0.95
+    assert ctl.outcomes.ratios(1) == (1.0, 1.0)  # never chosen: no correction

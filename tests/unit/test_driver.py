@@ -226,6 +226,28 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     assert driver.stats["tree_requests"] > 0 and driver.stats["resynced"] > 0
 
 
+def test_idle_probes_back_off_while_they_find_nothing():
+    """A probe costs the full per-request work; under a load where drafting never pays, probes
+    every 16 steps plus the steps before idling again cost more than drafting won (0.89x at
+    concurrency 8). Each probe that does not resume drafting doubles the period."""
+    from vllm_recap.vllm.driver import IDLE_AFTER, PROBE_EVERY_LONGEST, PROBE_WINDOW
+
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config, max_model_len=2048)
+    driver = engine.drivers[0]
+    driver.budget.choose = lambda trees, prefill, kinds=None, context=0: 0
+    _add_all(engine, 600)
+    steps = 500
+    for _ in range(steps):
+        engine.step()
+    busy = driver.stats["steps"] - driver.stats["idle_steps"]
+    # the steps before idling (and prefill), then probe windows after 16, 32, 64, 128, 128
+    # idle steps: 5 windows in 500 steps (a fixed period of 16 would probe 27 times)
+    assert driver.stats["steps"] == steps
+    assert busy <= IDLE_AFTER + 8 + PROBE_WINDOW * 5, busy
+    assert driver._probe_every == PROBE_EVERY_LONGEST
+
+
 def test_no_idling_while_the_drafter_has_nothing_to_offer():
     """Cold memories offer no drafts; that is not the budget declining them. Idling then would
     stop the rows that fill the memories, so drafting could never start (a fresh server

@@ -30,21 +30,28 @@ class StepClock:
         self._begin: float | None = None
         self._end = 0.0
         self._tokens = 0
+        self._drafts = 0
         self._context = 0.0
         self._excluded = 0.0
+        self._work = 0.0
 
-    def step_started(self, num_tokens: int, context: float) -> tuple[int, float, float] | None:
-        """Marks the start of a step that runs ``num_tokens`` tokens at mean ``context``.
+    def step_started(self, num_tokens: int, context: float,
+                     drafts: int = 0) -> tuple[int, float, float, int, float] | None:
+        """Marks the start of a step that runs ``num_tokens`` tokens, ``drafts`` of them draft
+        tokens, at mean ``context``.
 
         Returns:
-            (tokens, seconds, context) of the previous step, or None when it is unknown
-            (first step, or the engine was idle before this one).
+            (tokens, seconds, context, drafts, work) of the previous step -- ``work`` is
+            RECAP's own part of its seconds (seeding excluded from both) -- or None when it is
+            unknown (first step, or the engine was idle before this one).
         """
         now = time.perf_counter()
         previous = None
         if self._begin is not None and now - self._end < IDLE_GAP_S:
-            previous = (self._tokens, now - self._begin - self._excluded, self._context)
-        self._begin, self._tokens, self._excluded = now, num_tokens, 0.0
+            previous = (self._tokens, now - self._begin - self._excluded, self._context,
+                        self._drafts, self._work)
+        self._begin, self._tokens, self._excluded, self._work = now, num_tokens, 0.0, 0.0
+        self._drafts = drafts
         self._context = context
         return previous
 
@@ -52,4 +59,5 @@ class StepClock:
         """Records the step's RECAP work; its seeding time is left out of the step cost."""
         self._end = time.perf_counter()
         self._excluded = timing.seeding
+        self._work = max(0.0, timing.work - timing.seeding)
         self.work_seconds.append(timing.work)

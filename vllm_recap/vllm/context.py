@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:  # the CUDA recompute imports this module where the (numba) core is absent
+    from vllm_recap.core.budget import Decision
     from vllm_recap.core.tree import DraftTree
 
 
@@ -151,6 +152,8 @@ class StepContext:
             reuses in every layer (its own type; None until the first layer builds it).
         timing: RECAP's own work in this step.
         idle: RECAP skips its per-request work this step (see StepDriver._idle).
+        decision: the budget's decision that scheduled this step's drafts (None: no drafts,
+            or a fixed budget), to learn how the step turned out against it.
     """
 
     plan: StepPlan
@@ -161,6 +164,7 @@ class StepContext:
     backend_state: Any = None
     timing: StepTiming = field(default_factory=StepTiming)
     idle: bool = False
+    decision: "Decision | None" = None
 
     @property
     def has_trees(self) -> bool:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from vllm_recap.core.budget import BudgetController
+from vllm_recap.core.budget import BudgetController, Decision
 from vllm_recap.core.config import BudgetPolicy, RecapConfig
 from vllm_recap.core.drafter import Drafter
 from vllm_recap.core.tree import DraftTree
@@ -48,9 +48,11 @@ RUNNER_ATTRIBUTES = (
 )
 
 
-# Idle mode (see StepDriver._idle): steps without drafts before idling, and the probe period.
-IDLE_AFTER = 4
+# Idle mode (see StepDriver._idle): steps without drafts before idling, the probe period (it
+# doubles after every probe that did not resume drafting, up to the longest) and its length.
+IDLE_AFTER = 2
 PROBE_EVERY = 16
+PROBE_EVERY_LONGEST = 128
 PROBE_WINDOW = 2
 
 
@@ -119,6 +121,12 @@ class StepDriver:
         self.stats = {"steps": 0, "idle_steps": 0, "tree_requests": 0, "off_chain_accepts": 0,
                       "kv_compactions": 0, "resynced": 0}
         self._quiet = 0  # consecutive steps without scheduled drafts
+        self._probe_every = PROBE_EVERY  # idle steps between probes
+        self._since_probe = 0  # idle or probing steps since the last probe window began
+        # The budget's decision for the drafts the next step verifies, and (decision, drafts
+        # accepted) of the step that verified them, until the clock knows that step's seconds.
+        self._decision: Decision | None = None
+        self._outcome: tuple[Decision, int] | None = None
         self.compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._checked_runner: Any = None
         self._busy = False  # some request holds request-local state
@@ -161,10 +169,16 @@ class StepDriver:
                           batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n])
         rewrite_positions(runner.positions,
                           runner.mrope_positions.gpu if runner.uses_mrope else None, plan)
-        ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan, proposals))
-        step = self.clock.step_started(int(num_sched.sum()), decode_context(plan))
+        ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan, proposals),
+                          decision=self._decision if plan.num_drafts.any() else None)
+        self._decision = None
+        step = self.clock.step_started(int(num_sched.sum()), decode_context(plan),
+                                       int(plan.num_drafts.sum()))
         if step is not None:
             self.budget.observe_step(*step)
+            if self._outcome is not None:
+                self.budget.observe_outcome(self._outcome[0], step[1], self._outcome[1])
+        self._outcome = None
         self.stats["steps"] += 1
         self.stats["idle_steps"] += int(ctx.idle)
         self.stats["tree_requests"] += len(plan.trees)
@@ -176,20 +190,32 @@ class StepDriver:
 
         When the budget keeps declining the drafts the drafter offers (drafting does not pay
         for this batch, e.g. under load), that work is pure overhead. After ``IDLE_AFTER``
-        steps whose offered drafts were all declined the driver idles, except for ``PROBE_WINDOW`` steps out of every
-        ``PROBE_EVERY``, which do the full work (their rows refresh the memories, so the
-        probe's trees are real) and let the budget decide to draft again. Both inputs are the
-        same on every tensor-parallel rank (the proposals are the full trees every rank builds). Idle steps' tokens reach the drafter later from
-        vLLM's history (``_catch_up``); their rows are not stored.
+        steps whose offered drafts were all declined the driver idles, except for probe
+        windows of ``PROBE_WINDOW`` steps, which do the full work (their rows refresh the
+        memories, so the probe's trees are real) and let the budget decide to draft again.
+        Probes come every ``PROBE_EVERY`` steps, and the period doubles after each probe that
+        did not resume drafting, up to ``PROBE_EVERY_LONGEST`` (at concurrency 8, probing 2
+        steps in 16 plus the steps before idling again cost more than drafting won). Both
+        inputs are the same on every tensor-parallel rank (the proposals are the full trees
+        every rank builds). Idle steps' tokens reach the drafter later from vLLM's history
+        (``_catch_up``); their rows are not stored.
         """
         if plan.num_drafts.any():
-            self._quiet = 0
+            self._quiet, self._since_probe, self._probe_every = 0, 0, PROBE_EVERY
         elif any(tree.num_nodes > 1 for tree in proposals.values()):
             self._quiet += 1  # drafts were offered and the budget declined them
         # A step where the drafter had nothing to offer (cold memories) leaves the count as
         # it is: idling then would stop the memories from ever filling.
-        return (self.adaptive and self._quiet > IDLE_AFTER
-                and self.stats["steps"] % PROBE_EVERY >= PROBE_WINDOW)
+        if not (self.adaptive and self._quiet > IDLE_AFTER):
+            return False
+        self._since_probe += 1
+        if self._since_probe <= self._probe_every:
+            return True
+        if self._since_probe > self._probe_every + PROBE_WINDOW:  # a probe that found nothing
+            self._since_probe = 1
+            self._probe_every = min(2 * self._probe_every, PROBE_EVERY_LONGEST)
+            return True
+        return False  # probing
 
     # -- verification ----------------------------------------------------------------------
 
@@ -265,6 +291,8 @@ class StepDriver:
         self._seed_prompts(runner, ctx, hidden_states)
         rooms = [self._advance(runner, ctx, i, sampled)
                  for i, sampled in enumerate(sampled_token_ids)]
+        if ctx.decision is not None:
+            self._outcome = (ctx.decision, sum(max(len(s) - 1, 0) for s in sampled_token_ids))
         decoding = [i for i, room in enumerate(rooms) if room > 0]
         cap = self._node_budget(len(decoding))
         # batch_node_budget bounds every draft node of the step, continuations included (the
@@ -281,6 +309,7 @@ class StepDriver:
             context = float(np.mean(runner.input_batch.num_tokens_no_spec[list(trees)]))
             b = self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan), kinds,
                                    context)
+            self._decision = self.budget.last_decision
         for i, tree in trees.items():
             # Every rank records the same full tree; only the count sent to the scheduler
             # (rank 0's, from its clock) is local, and the next layout cuts by what vLLM
@@ -325,7 +354,9 @@ class StepDriver:
             tree = ctx.proposals.get(req_id)
             if tree is not None:
                 n = len(parents)
-                self.budget.observe_tree(parents, tree.scores[:n], accepted, tree.depths[:n],
+                # which nodes were accepted: the walked path of a tree, the first ones of a chain
+                nodes = ctx.accepted.get(i, accepted)
+                self.budget.observe_tree(parents, tree.scores[:n], nodes, tree.depths[:n],
                                          self._kind(runner, req_id))
         self.drafter.commit(req_id, sampled)
         record.num_committed = n_tokens
