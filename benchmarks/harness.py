@@ -319,7 +319,9 @@ def _multimodal_phase(server: Server, job: dict) -> tuple[list[dict], dict]:
     return records, {"loop": loop}
 
 
-PHASES = {"spec_bench": _text_phase, "two_turn": _two_turn_phase, "multimodal": _multimodal_phase}
+# fp32_recheck (benchmarks/precision.py): Spec-Bench prompts again, on a float32 engine
+PHASES = {"spec_bench": _text_phase, "two_turn": _two_turn_phase, "multimodal": _multimodal_phase,
+          "fp32_recheck": _text_phase}
 
 
 def _warm_up(server: Server, job: dict) -> None:

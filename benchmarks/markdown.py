@@ -111,6 +111,11 @@ MULTIMODAL = [
     ratio("speedup_geomean", "tokens/s vs none (geo)"), col("acceptance_length", "accept len"),
     identical(), col("peak_rss_mb", "peak RSS MiB", 0), error(),
 ]
+FP32_RECHECK = [
+    col("method", "method"), col("rechecked", "prompts that differed in bf16"),
+    col("identical_fp32", "identical to none in float32"), col("prompts", "prompts"),
+    col("still_different", "still different in float32"), error(),
+]
 
 
 SAMPLED = [
@@ -223,6 +228,11 @@ def render(result: dict) -> str:
         parts += ["", "### Speedup per category (paired geo-mean)", "",
                   speedup_pivot(s["per_category"], s["overall"]),
                   "", "### Per category", "", markdown_table(s["per_category"], PER_CATEGORY)]
+    if s.get("fp32_recheck"):
+        from benchmarks.precision import STATEMENT
+
+        parts += ["", "### bfloat16 differences rerun in float32", "", STATEMENT, "",
+                  markdown_table(s["fp32_recheck"], FP32_RECHECK)]
     parts += sampling_parts(s)
     if s["load"]:
         parts += ["", "## Load (closed loop, same prompts)", "",

@@ -442,8 +442,11 @@ def build_summary(results: list[dict], methods: list[str], concurrencies: list[i
         summary["sampling"] = report_sampling.sections(results, sampling, sampling_methods or methods,
                                                        sampling_seed)
         summary["sampling_targets"] = report_sampling.targets(summary["sampling"])
+    from benchmarks import precision  # imports this module
+
+    summary["fp32_recheck"] = precision.recheck_rows(results)
     summary["contended_jobs"] = contended(results)
-    summary["findings"] = findings(summary)
+    summary["findings"] = findings(summary) + precision.findings(summary["fp32_recheck"])
     return summary
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines run in the job process
 
-from benchmarks import report  # noqa: E402
+from benchmarks import precision, report  # noqa: E402
 from benchmarks.harness_worker import REPO, preload, run_isolated, write_json  # noqa: E402
 from benchmarks.machine import machine_info, resolve_dtype, suffix_status  # noqa: E402
 from benchmarks.methods import ABLATION_REFERENCE, METHODS, expand  # noqa: E402
@@ -135,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-mib", type=int, default=1024,
                    help="KV cache per engine in MiB; raise it if the load table reports "
                         "preemptions (default: 1024)")
+    p.add_argument("--no-fp32-recheck", action="store_true",
+                   help="skip rerunning in float32 the greedy batch-1 prompts whose output "
+                        "differed from none in a bfloat16 run (default: rerun them; see "
+                        "benchmarks/precision.py)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every job N times, method order reversed on odd repeats; a prompt's "
                         "seconds are the median over repeats (default: 1)")
@@ -219,6 +223,9 @@ class Plan:
             self.mm_engine = engine_kwargs(self.mm_dir, dtype=dtype, kv_cache_mib=256, max_model_len=2048,
                                            limit_mm_per_prompt={"image": 1, "video": 0})
         self.jobs = [job for r in range(args.repeats) for job in self._repeat(r)]
+        # bf16 outputs that differ from none are rerun in float32 (benchmarks/precision.py)
+        self.fp32_recheck = (not args.no_fp32_recheck and dtype != "float32" and self.greedy
+                             and "spec_bench" in self.workloads)
 
     def batch1_methods(self) -> list[str]:
         extra = [ABLATION_REFERENCE, *self.ablations] if self.ablations else []
@@ -273,18 +280,21 @@ class Plan:
         return len(job.get("prompts") or job.get("items") or []) + 2 * len(job.get("conversations") or [])
 
 
-def run_jobs(plan: Plan, workdir: Path) -> list[dict]:
-    """Runs every job in its own process with a progress bar over all requests."""
+def run_jobs(plan: Plan, workdir: Path, jobs: list[dict] | None = None,
+             desc: str = "benchmark") -> list[dict]:
+    """Runs every job (default: the plan's) in its own process with a progress bar over all
+    requests."""
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: the parent must stay single-threaded to fork
+    jobs = plan.jobs if jobs is None else jobs
     results: list[dict] = []
-    total = sum(plan.requests(j) for j in plan.jobs)
-    with tqdm(total=total, desc="benchmark", unit="req", dynamic_ncols=True) as bar:
-        for i, job in enumerate(plan.jobs, 1):
+    total = sum(plan.requests(j) for j in jobs)
+    with tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True) as bar:
+        for i, job in enumerate(jobs, 1):
             if job["phase"] == "two_turn" and job["method"] != "none":
                 job = _with_turn2(job, results)
-            bar.set_postfix_str(f"job {i}/{len(plan.jobs)}: {job['name']}")
+            bar.set_postfix_str(f"job {i}/{len(jobs)}: {job['name']}")
             result = run_isolated(job, workdir, plan.args.isolation, plan.args.job_timeout, bar.update)
             if result.get("error"):
                 bar.write(f"{job['name']} failed: {report.error_line([result])} (log: {result['log']})")
@@ -324,6 +334,12 @@ def main(argv: list[str] | None = None) -> dict:
         preload()
     try:
         results = run_jobs(plan, workdir)
+        if plan.fp32_recheck:
+            rechecks = precision.recheck_jobs(results, plan.batch1_methods(),
+                                              [p.to_dict() for p in plan.prompts], plan._job,
+                                              plan.engine)
+            if rechecks:
+                results += run_jobs(plan, workdir, rechecks, desc="float32 recheck")
     finally:
         if plan.mm_dir and args.mm_model is None:
             shutil.rmtree(Path(plan.mm_dir).parent, ignore_errors=True)

@@ -432,3 +432,51 @@ def test_sampler_fixes_only_for_non_greedy_jobs(monkeypatch):
     seams = install_sampler_fixes({"sampling": job_sampling("qwen_text", 0)})
     assert len(seams) == 2 and rejection_sampler.expand_batch_to_tokens.__recap_seam__ == seams[0]
     assert topk_topp_sampler.apply_top_k_only.__recap_seam__ == seams[1]
+
+
+# -- float32 recheck of bf16 differences ----------------------------------------------------
+
+def _phase_job(method, phase, recs, **kw):
+    return {"method": method, "phase": phase, "concurrency": 1, "requests": recs, **kw}
+
+
+def test_fp32_recheck_reruns_exactly_the_differing_prompts_and_reports_identity():
+    from benchmarks import precision
+
+    same, other = _rec("a", 8, 1.0), {**_rec("b", 8, 1.0), "output_ids": [0, 1, 9, 9, 9]}
+    results = [_phase_job("none", "spec_bench", [_rec("a", 8, 1.0), _rec("b", 8, 1.0), _rec("c", 8, 1.0)]),
+               _phase_job("ngram", "spec_bench", [same, other, _rec("c", 8, 1.0)]),
+               _phase_job("recap-tree", "spec_bench", [_rec("a", 8, 1.0), _rec("b", 8, 1.0),
+                                                 {**_rec("c", 8, 1.0), "output_ids": [7]}])]
+    prompts = [{"prompt_id": p} for p in "abc"]
+
+    def make_job(method, phase, concurrency, repeat, prompts):
+        return {"method": method, "phase": phase, "prompts": prompts, "engine": {}}
+
+    jobs = precision.recheck_jobs(results, ["none", "ngram", "recap-tree"], prompts, make_job,
+                                  {"dtype": "bfloat16", "model": "m"})
+    got = {j["method"]: [p["prompt_id"] for p in j["prompts"]] for j in jobs}
+    assert got == {"none": ["b", "c"], "ngram": ["b"], "recap-tree": ["c"]}
+    assert all(j["phase"] == precision.PHASE and j["engine"] == {"dtype": "float32", "model": "m"}
+               for j in jobs)
+    # float32: ngram identical again, recap-tree still differs at token 3
+    results += [_phase_job("none", precision.PHASE, [_rec("b", 8, 1.0), _rec("c", 8, 1.0)]),
+                _phase_job("ngram", precision.PHASE, [_rec("b", 8, 1.0)]),
+                _phase_job("recap-tree", precision.PHASE, [{**_rec("c", 8, 1.0),
+                                                      "output_ids": [0, 1, 2, 5]}])]
+    rows = {r["method"]: r for r in precision.recheck_rows(results)}
+    assert (rows["ngram"]["rechecked"], rows["ngram"]["identical_fp32"]) == (1, 1)
+    assert rows["recap-tree"]["still_different"] == "c at token 3"
+    assert precision.findings(list(rows.values())) == [
+        "float32 recheck: the bf16 differences above are rounding -- identical to none in "
+        "float32: ngram 1/1",
+        "float32 recheck: recap-tree still differs from none on 1 of 1 prompts (c at token 3) - "
+        "not explained by bf16 rounding"]
+    text = markdown.markdown_table(list(rows.values()), markdown.FP32_RECHECK)
+    assert "identical to none in float32" in text and "c at token 3" in text
+    # nothing differed: no jobs
+    assert precision.recheck_jobs(results[:1], ["none"], prompts, make_job, {}) == []
+    # the job runner knows the phase (it serves the prompts like Spec-Bench's)
+    from benchmarks.harness import PHASES
+
+    assert PHASES[precision.PHASE] is PHASES["spec_bench"]
