@@ -27,6 +27,7 @@ slower than plain decoding once its estimates are measured.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,7 @@ DRAFT_MARGIN = 1.03
 OUTCOME_PRIOR_STEPS = 3.0
 OUTCOME_DECAY = 0.95
 OUTCOME_CLIP = (0.33, 3.0)
+_LOG_1125 = math.log(1.125)
 
 
 class _CostTable:
@@ -58,6 +60,10 @@ class _CostTable:
         self.origin = origin
         self.mean: dict[tuple[int, int], float] = {}  # (context bucket, size bucket) -> s
         self.last: dict[tuple[int, int], int] = {}
+        # Derived per context bucket, kept until the next observation: the controller asks
+        # for ~15 estimates per step and the table changes once per step.
+        self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._orders: dict[int, list[int]] = {}
 
     def observe(self, key: tuple[int, int], seconds: float, step: int, ema: float,
                 stale: bool, clamped: bool) -> None:
@@ -67,19 +73,30 @@ class _CostTable:
         blend = old is not None and not stale and not clamped
         self.mean[key] = old + ema * (seconds - old) if blend else seconds
         self.last[key] = step
+        self._curves.clear()
+        self._orders.clear()
 
     def buckets_by_distance(self, ctx: int) -> list[int]:
         """Measured context buckets, nearest to ``ctx`` first (the larger on a tie)."""
-        return sorted({c for c, _ in self.mean}, key=lambda c: (abs(c - ctx), -c))
+        order = self._orders.get(ctx)
+        if order is None:
+            order = self._orders[ctx] = sorted({c for c, _ in self.mean},
+                                               key=lambda c: (abs(c - ctx), -c))
+        return order
 
     def curve(self, ctx: int) -> tuple[np.ndarray, np.ndarray]:
         """(sizes, monotone seconds) measured in context bucket ``ctx``: a size never costs
         more than a larger measured one (one slow step at a small size, say during a burst of
-        arrivals, must not make the sizes above it look free)."""
+        arrivals, must not make the sizes above it look free); an extra-cost table's curve
+        starts at (0, 0)."""
+        cached = self._curves.get(ctx)
+        if cached is not None:
+            return cached
         sizes = np.array(sorted(n for c, n in self.mean if c == ctx), dtype=np.float64)
         values = np.minimum.accumulate([self.mean[(ctx, int(n))] for n in sizes[::-1]])[::-1]
-        if self.origin:
-            values = np.maximum(values, 0.0)
+        if self.origin:  # an extra cost: 0 at size 0, never negative
+            sizes, values = np.r_[0.0, sizes], np.r_[0.0, np.maximum(values, 0.0)]
+        self._curves[ctx] = sizes, values
         return sizes, values
 
     def estimate(self, ctx: int, size: int) -> float | None:
@@ -94,8 +111,6 @@ class _CostTable:
         if not order:
             return None
         sizes, values = self.curve(order[0])
-        if self.origin:
-            sizes, values = np.r_[0.0, sizes], np.r_[0.0, values]
         if size <= sizes[-1]:
             return float(np.interp(size, sizes, values))
         top = sizes[-1]
@@ -144,12 +159,12 @@ class StepCostModel:
         """Sizes up to 16 exactly; larger ones in ~12% wide buckets (the cost changes slowly)."""
         if num_tokens <= 16:
             return num_tokens
-        return int(round(16 * 1.125 ** round(np.log(num_tokens / 16) / np.log(1.125))))
+        return int(round(16 * 1.125 ** round(math.log(num_tokens / 16) / _LOG_1125)))
 
     @staticmethod
     def context_bucket(context: float) -> int:
         """0 for none (prefill-only steps), else round(log2(context)): 64, 128, ... 4096."""
-        return 0 if context < 1 else int(round(np.log2(max(context, 64.0))))
+        return 0 if context < 1 else int(round(math.log2(max(context, 64.0))))
 
     def _table(self, drafts: int) -> tuple[_CostTable, int]:
         return (self.extra, drafts) if drafts > 0 else (self.plain, 0)
