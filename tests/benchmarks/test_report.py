@@ -480,3 +480,27 @@ def test_fp32_recheck_reruns_exactly_the_differing_prompts_and_reports_identity(
     from benchmarks.harness import PHASES
 
     assert PHASES[precision.PHASE] is PHASES["spec_bench"]
+
+
+# -- interleaved A/B ------------------------------------------------------------------------
+
+def test_interleave_pairs_each_run_with_the_none_run_of_its_own_round():
+    from benchmarks import interleave
+
+    assert interleave.engines("recap-tree,recap-tree@/tmp/x") == [
+        ("none", None), ("recap-tree", None), ("recap-tree", "/tmp/x")]
+    runs = [{"engine": "none", "round": 0, "tokens_per_s": 100.0},
+            {"engine": "recap-tree", "round": 0, "tokens_per_s": 90.0},
+            {"engine": "none", "round": 1, "tokens_per_s": 120.0},   # the machine sped up
+            {"engine": "recap-tree", "round": 1, "tokens_per_s": 126.0},
+            {"engine": "recap-tree", "round": 2, "error": "boom"}]
+    rows = {r["engine"]: r for r in interleave.summarize(runs, ["none", "recap-tree"])}
+    assert rows["recap-tree"]["ratios"] == [0.9, 1.05]  # per round, not 108 / 110
+    assert rows["recap-tree"]["median"] == pytest.approx(0.975)
+    assert rows["recap-tree"]["errors"] == 1 and rows["none"]["ratios"] == [1.0, 1.0]
+    result = {"args": {"model": "smollm2", "concurrency": 4, "rounds": 3, "max_new_tokens": 64},
+              "machine": {"cpu_model": "cpu", "cpus": 2, "cpu_flags": ["avx2"], "git": "abc"},
+              "date": "d", "dtype": "bfloat16", "prompts": 26,
+              "rows": list(rows.values())}
+    text = interleave.markdown(result)
+    assert "| recap-tree | 90.0, 126.0 | 0.90, 1.05 | 0.98x [0.90-1.05] | 1 |" in text

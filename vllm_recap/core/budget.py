@@ -9,9 +9,10 @@ maximises expected committed tokens per second of engine time:
     throughput(b) = sum_r (1 + E_r(b)) / T(fixed + sum_r 1, drafts = sum_r b)
 
 - ``T(n, drafts)``: seconds of one engine step that runs ``n`` other tokens plus ``drafts``
-  draft tokens, learned online from the steps actually run (:class:`StepCostModel`): the
-  plain cost of the other tokens plus the measured extra cost of draft tokens (which cost
-  more than prefill tokens of the same count). An unmeasured size between two measured ones
+  draft tokens, learned online from the steps actually run
+  (:class:`~vllm_recap.core.step_cost.StepCostModel`): the plain cost of the other tokens
+  plus the measured extra cost of draft tokens (which cost more than prefill tokens of the
+  same count). An unmeasured size between two measured ones
   is interpolated linearly; larger ones are extrapolated (optimistically while drafts were
   never measured), so larger budgets get tried, measured, and dropped if they do not pay. A
   size is re-measured now and then, since machines and loads drift.
@@ -27,12 +28,12 @@ slower than plain decoding once its estimates are measured.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from vllm_recap.core.config import MAX_DEPTH, discount_table
+from vllm_recap.core.step_cost import StepCostModel
 from vllm_recap.core.tree import DraftTree, tree_depths
 
 # Candidate per-request node counts (the controller also caps them at the configured budget).
@@ -44,191 +45,6 @@ DRAFT_MARGIN = 1.03
 OUTCOME_PRIOR_STEPS = 3.0
 OUTCOME_DECAY = 0.95
 OUTCOME_CLIP = (0.33, 3.0)
-_LOG_1125 = math.log(1.125)
-
-
-class _CostTable:
-    """Moving averages of one cost quantity keyed by (context bucket, size bucket).
-
-    Args:
-        origin: the quantity is 0 at size 0 (extra cost of drafts): sizes below the smallest
-            measured one are interpolated from (0, 0) and sizes above the largest grow in
-            proportion; otherwise (whole steps) they cost what the smallest / largest do.
-    """
-
-    def __init__(self, origin: bool) -> None:
-        self.origin = origin
-        self.mean: dict[tuple[int, int], float] = {}  # (context bucket, size bucket) -> s
-        self.last: dict[tuple[int, int], int] = {}
-        # Derived per context bucket, kept until the next observation: the controller asks
-        # for ~15 estimates per step and the table changes once per step.
-        self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._orders: dict[int, list[int]] = {}
-
-    def observe(self, key: tuple[int, int], seconds: float, step: int, ema: float,
-                stale: bool, clamped: bool) -> None:
-        old = self.mean.get(key)
-        # A stale or contradicted average is replaced, not blended: it may come from another
-        # phase of the load, or from one slow step.
-        blend = old is not None and not stale and not clamped
-        self.mean[key] = old + ema * (seconds - old) if blend else seconds
-        self.last[key] = step
-        self._curves.clear()
-        self._orders.clear()
-
-    def buckets_by_distance(self, ctx: int) -> list[int]:
-        """Measured context buckets, nearest to ``ctx`` first (the larger on a tie)."""
-        order = self._orders.get(ctx)
-        if order is None:
-            order = self._orders[ctx] = sorted({c for c, _ in self.mean},
-                                               key=lambda c: (abs(c - ctx), -c))
-        return order
-
-    def curve(self, ctx: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sizes, monotone seconds) measured in context bucket ``ctx``: a size never costs
-        more than a larger measured one (one slow step at a small size, say during a burst of
-        arrivals, must not make the sizes above it look free); an extra-cost table's curve
-        starts at (0, 0)."""
-        cached = self._curves.get(ctx)
-        if cached is not None:
-            return cached
-        sizes = np.array(sorted(n for c, n in self.mean if c == ctx), dtype=np.float64)
-        values = np.minimum.accumulate([self.mean[(ctx, int(n))] for n in sizes[::-1]])[::-1]
-        if self.origin:  # an extra cost: 0 at size 0, never negative
-            sizes, values = np.r_[0.0, sizes], np.r_[0.0, np.maximum(values, 0.0)]
-        self._curves[ctx] = sizes, values
-        return sizes, values
-
-    def estimate(self, ctx: int, size: int) -> float | None:
-        """Seconds at ``size`` from the nearest context bucket with data (None: no data).
-
-        Between measured sizes: linear. Beyond the largest measured one it grows as it grows
-        in the nearest other context bucket that measured beyond it; where none did, a whole
-        step costs what the largest does (optimistic, so larger sizes get tried and measured)
-        and an extra cost grows in proportion to the size.
-        """
-        order = self.buckets_by_distance(ctx)
-        if not order:
-            return None
-        sizes, values = self.curve(order[0])
-        if size <= sizes[-1]:
-            return float(np.interp(size, sizes, values))
-        top = sizes[-1]
-        for other in order[1:]:
-            o_sizes, o_values = self.curve(other)
-            if o_sizes[-1] > top:
-                base = np.interp(top, o_sizes, o_values)
-                grown = np.interp(size, o_sizes, o_values)
-                if self.origin:
-                    return float(values[-1] + max(0.0, grown - base))
-                return float(values[-1] * max(1.0, grown / base)) if base > 0 else float(values[-1])
-        return float(values[-1] * size / top) if self.origin else float(values[-1])
-
-
-class StepCostModel:
-    """Seconds per engine step as a function of its tokens, its draft tokens and context.
-
-    Two tables, both per context bucket (a verification pass's attention grows with the
-    context each token attends to, so a tree size that pays at a 100-token context may not
-    at 1,000; sizes are never borrowed from another bucket while this one has its own):
-
-    - *plain*: steps without drafts, by the tokens they run (decodes and prefill chunks).
-    - *extra*: what a step's draft tokens add on top of the plain cost of its other tokens,
-      by draft-token count (a drafted step's seconds minus the plain estimate of its other
-      tokens). A draft token costs more than a prefill token (tree attention over its path,
-      its logits row, top-K and acceptance), so pricing drafts off the plain table -- which
-      under load is full of cheap prefill steps of the same token count -- made trees look
-      cheap at concurrency 4 and chose 48 draft tokens for a step that cost 3.3x a plain one.
-      Until extra costs are measured they are priced as plain tokens (optimistic, so drafts
-      get tried and measured).
-
-    Args:
-        ema: weight of a new measurement in the per-size moving average.
-        stale_after: a size measured this many steps ago is due for re-measurement.
-    """
-
-    def __init__(self, ema: float = 0.25, stale_after: int = 64) -> None:
-        self.ema = ema
-        self.stale_after = stale_after
-        self.plain = _CostTable(origin=False)
-        self.extra = _CostTable(origin=True)
-        self.steps = 0
-
-    @staticmethod
-    def bucket(num_tokens: int) -> int:
-        """Sizes up to 16 exactly; larger ones in ~12% wide buckets (the cost changes slowly)."""
-        if num_tokens <= 16:
-            return num_tokens
-        return int(round(16 * 1.125 ** round(math.log(num_tokens / 16) / _LOG_1125)))
-
-    @staticmethod
-    def context_bucket(context: float) -> int:
-        """0 for none (prefill-only steps), else round(log2(context)): 64, 128, ... 4096."""
-        return 0 if context < 1 else int(round(math.log2(max(context, 64.0))))
-
-    def _table(self, drafts: int) -> tuple[_CostTable, int]:
-        return (self.extra, drafts) if drafts > 0 else (self.plain, 0)
-
-    def observe(self, num_tokens: int, seconds: float, context: float = 0,
-                drafts: int = 0, work: float = 0.0) -> None:
-        """Records one step that ran ``num_tokens`` tokens, ``drafts`` of them draft tokens,
-        at mean decode ``context``, in ``seconds``, ``work`` of which was the drafter's own
-        (rows, memory updates, proposals).
-
-        A step without drafts is recorded without the drafter's work: not drafting means
-        idling (the driver then skips that work), so that is what plain decoding costs. At
-        concurrency 4 the work was ~4 ms of a 29 ms step, and drafting one node per request
-        looked like a win against the 29 ms while it was a loss against the 25 ms of idling.
-        A drafted step keeps it: it is part of what drafting costs."""
-        self.steps += 1
-        if drafts <= 0:
-            seconds -= work
-        if num_tokens <= 0 or not np.isfinite(seconds) or seconds <= 0:
-            return
-        ctx = self.context_bucket(context)
-        if drafts > 0:
-            plain = self.plain.estimate(ctx, self.bucket(num_tokens - drafts))
-            if plain is None:
-                return  # nothing to take the extra cost from yet
-            seconds -= plain
-        table, size = self._table(drafts)
-        table.observe((ctx, self.bucket(size if drafts else num_tokens)), seconds, self.steps,
-                      self.ema, self.is_stale(num_tokens, context, drafts),
-                      self.is_clamped(num_tokens, context, drafts))
-
-    def estimate(self, num_tokens: int, context: float = 0, drafts: int = 0) -> float | None:
-        """Expected seconds for a step of ``num_tokens`` tokens, ``drafts`` of them draft
-        tokens (None before any plain measurement)."""
-        ctx = self.context_bucket(context)
-        base = self.plain.estimate(ctx, self.bucket(num_tokens - drafts))
-        if base is None or drafts <= 0:
-            return base
-        extra = self.extra.estimate(ctx, self.bucket(drafts))
-        if extra is None:  # never measured: priced as plain tokens
-            return self.plain.estimate(ctx, self.bucket(num_tokens))
-        return base + extra
-
-    def _key(self, num_tokens: int, context: float, drafts: int) -> tuple[_CostTable, tuple]:
-        table, size = self._table(drafts)
-        return table, (self.context_bucket(context), self.bucket(size if drafts else num_tokens))
-
-    def measured(self, num_tokens: int, context: float = 0, drafts: int = 0) -> bool:
-        """True if this size has its own measurement in this context bucket."""
-        table, key = self._key(num_tokens, context, drafts)
-        return key in table.mean
-
-    def is_clamped(self, num_tokens: int, context: float = 0, drafts: int = 0) -> bool:
-        """True if this size's own average is above its estimate (a larger size measured
-        cheaper): one of the two measurements is off, and re-measuring this one settles it."""
-        table, key = self._key(num_tokens, context, drafts)
-        own = table.mean.get(key)
-        return own is not None and own > 1.05 * table.estimate(*key) + 1e-9
-
-    def is_stale(self, num_tokens: int, context: float = 0, drafts: int = 0) -> bool:
-        """True if this size was never measured here or not for ``stale_after`` steps."""
-        table, key = self._key(num_tokens, context, drafts)
-        last = table.last.get(key)
-        return last is None or self.steps - last > self.stale_after
 
 
 class AcceptanceCalibration:

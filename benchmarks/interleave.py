@@ -1,0 +1,202 @@
+"""Interleaved load A/B: engines take turns on the same prompts, round after round.
+
+    python -m benchmarks.interleave --concurrency 4 --rounds 3 \\
+        --engines none,recap-tree,recap-tree@/path/to/old/checkout
+
+On a shared 2-core machine the speed of the whole machine drifts by +-10% within minutes,
+which is the size of the effects a budget change makes under load. ``benchmarks.run`` runs
+each method once per repeat (ABBA); here every engine runs once per *round*, in turn, and each
+RECAP run is paired with the ``none`` run of its own round, so a ratio never spans more than a
+minute. ``name@path`` runs a method with the ``vllm_recap`` of another checkout (e.g. a git
+worktree of an older commit), to measure a change against the code before it.
+
+Each run is its own process (``--child``): a fresh engine, ``max_num_seqs`` = concurrency,
+``LLM.generate`` over all prompts (vLLM keeps ``concurrency`` requests in flight, a closed
+loop), greedy, one warm-up request first. Results: ``<out>/result.json`` and ``summary.md``
+(per-round tokens/s, ratio to the round's ``none``, median and [min-max] of the ratios).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.interleave", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default="none,recap-tree",
+                   help="comma list of benchmark methods (benchmarks/methods.py), each optionally "
+                        "name@checkout to use another checkout's vllm_recap (default: "
+                        "none,recap-tree); none is added first if missing")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: 4)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; every engine once per round")
+    p.add_argument("--per-category", type=int, default=2,
+                   help="Spec-Bench prompts per category (default: 2, i.e. 26)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: benchmarks/results/interleave-<timestamp>)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run: its spec file
+    args = p.parse_args(argv)
+    if args.out is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        args.out = str(REPO / "benchmarks" / "results" / f"interleave-{stamp}")
+    return args
+
+
+def child(spec: dict) -> dict:
+    """One run: engine, warm-up, all prompts at ``max_num_seqs`` = concurrency.
+
+    Runs as ``python benchmarks/interleave.py --child SPEC`` from a neutral folder with the
+    checkout under test first on ``PYTHONPATH``: it imports vLLM and ``vllm_recap`` only (the
+    parent tokenized the prompts), so an older checkout's ``benchmarks`` never shadows these.
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    import vllm_recap
+    from vllm_recap.models.engine import engine_kwargs
+
+    prompts = spec["prompts"]
+    llm = LLM(**engine_kwargs(spec["model"], dtype=spec["dtype"], kv_cache_mib=1024,
+                              max_model_len=2400, speculative_config=spec["config"],
+                              max_num_seqs=spec["concurrency"]))
+    params = SamplingParams(temperature=0, max_tokens=spec["max_new_tokens"])
+    batch = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+    llm.generate(batch[:1], params, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"prompts": len(prompts), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall,
+            "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
+            "vllm_recap": str(Path(vllm_recap.__file__).parent)}
+
+
+def engines(text: str) -> list[tuple[str, str | None]]:
+    """[(method, checkout or None)], none first."""
+    out = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        name, _, path = item.partition("@")
+        out.append((name, str(Path(path).resolve()) if path else None))
+    if ("none", None) not in out:
+        out.insert(0, ("none", None))
+    return out
+
+
+def label(method: str, checkout: str | None) -> str:
+    return method if checkout is None else f"{method}@{checkout}"
+
+
+def run_one(spec: dict, checkout: str | None, workdir: Path) -> dict:
+    """One child process (see :func:`child`); its JSON line, or the error's tail."""
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": checkout or str(REPO)}
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",
+                           str(spec_path)], capture_output=True, text=True, env=env, cwd=workdir)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
+def summarize(runs: list[dict], names: list[str]) -> list[dict]:
+    """Per engine: tokens/s per round, ratio to the same round's none, median [min-max]."""
+    rows = []
+    for name in names:
+        mine = [r for r in runs if r["engine"] == name and "tokens_per_s" in r]
+        ratios = []
+        for r in mine:
+            base = next((b for b in runs if b["engine"] == "none" and b["round"] == r["round"]
+                         and "tokens_per_s" in b), None)
+            if base is not None:
+                ratios.append(r["tokens_per_s"] / base["tokens_per_s"])
+        rows.append({"engine": name, "tokens_per_s": [round(r["tokens_per_s"], 1) for r in mine],
+                     "ratios": [round(x, 3) for x in ratios],
+                     "median": statistics.median(ratios) if ratios else None,
+                     "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
+                     "errors": sum("error" in r for r in runs if r["engine"] == name)})
+    return rows
+
+
+def markdown(result: dict) -> str:
+    a, m = result["args"], result["machine"]
+    lines = [f"# Interleaved load A/B: {a['model']}, concurrency {a['concurrency']}", "",
+             f"{result['date']}, {m['cpu_model']} ({m['cpus']} CPUs, {', '.join(m['cpu_flags'])}), "
+             f"dtype {result['dtype']}, git {m.get('git')}; {result['prompts']} Spec-Bench prompts x "
+             f"{a['max_new_tokens']} tokens, greedy, {a['rounds']} rounds, engines in turn within "
+             f"each round; ratio = tokens/s over the same round's `none`.", "",
+             "| engine | tokens/s per round | ratio to none per round | median [min-max] | errors |",
+             "|---|---|---|---|---|"]
+    for row in result["rows"]:
+        spread = ("-" if row["median"] is None else
+                  f"{row['median']:.2f}x [{row['min']:.2f}-{row['max']:.2f}]")
+        lines.append(f"| {row['engine']} | {', '.join(map(str, row['tokens_per_s']))} | "
+                     f"{', '.join(f'{x:.2f}' for x in row['ratios']) or '-'} | {spread} | "
+                     f"{row['errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(Path(args.child).read_text()))))
+        return {}
+    from benchmarks.machine import machine_info
+    from benchmarks.methods import METHODS
+    from benchmarks.run import resolve_model_path
+    from tqdm import tqdm
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.workloads import SPEC_BENCH, spec_bench_prompts
+
+    model = resolve_model_path(args.model)
+    prompts = [p.token_ids for p in spec_bench_prompts(AutoTokenizer.from_pretrained(model),
+                                                        args.per_category, None, SPEC_BENCH, 1536)]
+    chosen = engines(args.engines)
+    unknown = [m for m, _ in chosen if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; see benchmarks/methods.py")
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    with tqdm(total=args.rounds * len(chosen), desc="interleave", unit="run") as bar:
+        for r in range(args.rounds):
+            for method, checkout in chosen:
+                spec = {"model": model, "dtype": args.dtype, "config": METHODS[method].config,
+                        "concurrency": args.concurrency, "prompts": prompts,
+                        "max_new_tokens": args.max_new_tokens}
+                runs.append({"engine": label(method, checkout), "round": r,
+                             **run_one(spec, checkout, out)})
+                bar.update()
+    names = [label(m, c) for m, c in chosen]
+    done = [r for r in runs if "dtype" in r]
+    result = {"date": started, "args": vars(args), "machine": machine_info(), "model": model,
+              "dtype": done[0]["dtype"] if done else args.dtype,
+              "prompts": done[0]["prompts"] if done else 0, "runs": runs,
+              "rows": summarize(runs, names)}
+    (out / "spec.json").unlink(missing_ok=True)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    (out / "summary.md").write_text(markdown(result))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv:  # run as a file: its folder must not shadow top-level modules
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
+    main()
