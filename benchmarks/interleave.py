@@ -1,4 +1,4 @@
-"""Interleaved load A/B: engines take turns on the same prompts, round after round.
+"""Interleaved A/B under load (or at batch 1): engines take turns on the same prompts.
 
     python -m benchmarks.interleave --concurrency 4 --rounds 3 \\
         --engines none,recap-tree,recap-tree@/path/to/old/checkout
@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--sampling", default="greedy",
+                   help="a setting of benchmarks/sampling.py (greedy, qwen_vl, qwen_text, t1); "
+                        "sampled settings run unseeded (default: greedy)")
     p.add_argument("--out", default=None,
                    help="output folder (default: benchmarks/results/interleave-<timestamp>)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run: its spec file
@@ -71,7 +74,8 @@ def child(spec: dict) -> dict:
     llm = LLM(**engine_kwargs(spec["model"], dtype=spec["dtype"], kv_cache_mib=1024,
                               max_model_len=2400, speculative_config=spec["config"],
                               max_num_seqs=spec["concurrency"]))
-    params = SamplingParams(temperature=0, max_tokens=spec["max_new_tokens"])
+    params = SamplingParams(**spec.get("sampling", {"temperature": 0.0}),
+                            max_tokens=spec["max_new_tokens"])
     batch = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
     llm.generate(batch[:1], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -133,11 +137,12 @@ def summarize(runs: list[dict], names: list[str]) -> list[dict]:
 
 def markdown(result: dict) -> str:
     a, m = result["args"], result["machine"]
-    lines = [f"# Interleaved load A/B: {a['model']}, concurrency {a['concurrency']}", "",
+    lines = [f"# Interleaved load A/B: {a['model']}, concurrency {a['concurrency']}, "
+             f"sampling {a.get('sampling', 'greedy')}", "",
              f"{result['date']}, {m['cpu_model']} ({m['cpus']} CPUs, {', '.join(m['cpu_flags'])}), "
              f"dtype {result['dtype']}, git {m.get('git')}; {result['prompts']} Spec-Bench prompts x "
-             f"{a['max_new_tokens']} tokens, greedy, {a['rounds']} rounds, engines in turn within "
-             f"each round; ratio = tokens/s over the same round's `none`.", "",
+             f"{a['max_new_tokens']} tokens, {a['rounds']} rounds, engines in turn within each "
+             f"round; ratio = tokens/s over the same round's `none`.", "",
              "| engine | tokens/s per round | ratio to none per round | median [min-max] | errors |",
              "|---|---|---|---|---|"]
     for row in result["rows"]:
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     from benchmarks.machine import machine_info
     from benchmarks.methods import METHODS
     from benchmarks.run import resolve_model_path
+    from benchmarks.sampling import SAMPLINGS
     from tqdm import tqdm
 
     from transformers import AutoTokenizer
@@ -179,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
             for method, checkout in chosen:
                 spec = {"model": model, "dtype": args.dtype, "config": METHODS[method].config,
                         "concurrency": args.concurrency, "prompts": prompts,
-                        "max_new_tokens": args.max_new_tokens}
+                        "max_new_tokens": args.max_new_tokens,
+                        "sampling": dict(SAMPLINGS[args.sampling].params)}
                 runs.append({"engine": label(method, checkout), "round": r,
                              **run_one(spec, checkout, out)})
                 bar.update()
