@@ -8,10 +8,25 @@ since not drafting means idling) and the extra cost of draft tokens on top of th
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 
 import numpy as np
 
 _LOG_1125 = math.log(1.125)
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """``np.interp`` for one point over short Python lists (the controller asks ~15 times a
+    step; numpy's call overhead was most of the controller's time)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect_left(xs, x)
+    x0, x1 = xs[i - 1], xs[i]
+    if x == x1:
+        return ys[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
 
 
 class _CostTable:
@@ -29,7 +44,7 @@ class _CostTable:
         self.last: dict[tuple[int, int], int] = {}
         # Derived per context bucket, kept until the next observation: the controller asks
         # for ~15 estimates per step and the table changes once per step.
-        self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._curves: dict[int, tuple[list[float], list[float]]] = {}
         self._orders: dict[int, list[int]] = {}
 
     def observe(self, key: tuple[int, int], seconds: float, step: int, ema: float,
@@ -51,7 +66,7 @@ class _CostTable:
                                                key=lambda c: (abs(c - ctx), -c))
         return order
 
-    def curve(self, ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    def curve(self, ctx: int) -> tuple[list[float], list[float]]:
         """(sizes, monotone seconds) measured in context bucket ``ctx``: a size never costs
         more than a larger measured one (one slow step at a small size, say during a burst of
         arrivals, must not make the sizes above it look free); an extra-cost table's curve
@@ -59,10 +74,15 @@ class _CostTable:
         cached = self._curves.get(ctx)
         if cached is not None:
             return cached
-        sizes = np.array(sorted(n for c, n in self.mean if c == ctx), dtype=np.float64)
-        values = np.minimum.accumulate([self.mean[(ctx, int(n))] for n in sizes[::-1]])[::-1]
+        sizes = sorted(n for c, n in self.mean if c == ctx)
+        values, low = [], math.inf
+        for n in reversed(sizes):  # monotone: the running minimum from the largest size down
+            low = min(low, self.mean[(ctx, n)])
+            values.append(low)
+        values.reverse()
+        sizes = [float(n) for n in sizes]
         if self.origin:  # an extra cost: 0 at size 0, never negative
-            sizes, values = np.r_[0.0, sizes], np.r_[0.0, np.maximum(values, 0.0)]
+            sizes, values = [0.0, *sizes], [0.0, *(max(v, 0.0) for v in values)]
         self._curves[ctx] = sizes, values
         return sizes, values
 
@@ -79,13 +99,13 @@ class _CostTable:
             return None
         sizes, values = self.curve(order[0])
         if size <= sizes[-1]:
-            return float(np.interp(size, sizes, values))
+            return float(_interp(size, sizes, values))
         top = sizes[-1]
         for other in order[1:]:
             o_sizes, o_values = self.curve(other)
             if o_sizes[-1] > top:
-                base = np.interp(top, o_sizes, o_values)
-                grown = np.interp(size, o_sizes, o_values)
+                base = _interp(top, o_sizes, o_values)
+                grown = _interp(size, o_sizes, o_values)
                 if self.origin:
                     return float(values[-1] + max(0.0, grown - base))
                 return float(values[-1] * max(1.0, grown / base)) if base > 0 else float(values[-1])
