@@ -174,15 +174,20 @@ def test_node_tokens_are_the_last_one_plus_drafts_scheduled_tokens():
 
 
 @pytest.mark.parametrize("vocab", [40000, 49152, 262144])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_wide_rows_top_k_and_argmax_are_exact(vocab, dtype):
-    """Wide rows are reduced chunk by chunk (speed); the result must be torch's own."""
+    """Wide rows are reduced chunk by chunk (speed; half precision over the bits as int16);
+    the result must be torch's own: rows of negative logits and -0.0 next to +0.0 included."""
     from vllm_recap.vllm.verifier import row_argmax
 
     g = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(5, vocab, generator=g).to(dtype)
+    logits = torch.randn(6, vocab, generator=g).to(dtype)
     logits[1, [7, vocab - 1, 500]] = 50.0  # a tie at the maximum, one in the last chunk
     logits[2, -3:] = 40.0  # the top-3 in the partial last chunk (40000 = 312 x 128 + 64)
+    logits[3] = -logits[3].abs() - 3.0  # every logit negative (bit patterns order reversed)
+    logits[3, 9000] = -0.5
+    logits[4] = -logits[4].abs() - 1.0
+    logits[4, 3], logits[4, 9000] = -0.0, 0.0  # equal maxima: the lower id, as vLLM's argmax
     ids, probs = topk_rows(logits, 8)
     values, want = torch.topk(logits, 8, dim=-1)
     np.testing.assert_array_equal(np.take_along_axis(logits.float().numpy(), ids, 1),
@@ -190,3 +195,5 @@ def test_wide_rows_top_k_and_argmax_are_exact(vocab, dtype):
     assert set(ids[2, :3]) == set(range(vocab - 3, vocab))
     np.testing.assert_array_equal(row_argmax(logits), logits.float().argmax(-1).numpy())
     assert row_argmax(logits)[1] == 7  # the lowest id among equal maxima, as vLLM's greedy
+    assert row_argmax(logits)[3] == 9000 and ids[3, 0] == 9000
+    assert row_argmax(logits)[4] == 3

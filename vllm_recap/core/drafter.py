@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vllm_recap.core import _kernels as kernels
+from vllm_recap.core import topk
 from vllm_recap.core.calibration import SourceCalibration
 from vllm_recap.core.config import (
     MAX_DEPTH,
@@ -511,4 +512,5 @@ def warmup() -> float:
     store.reserve(2 * ContextStore.INITIAL_ROWS)  # compiles rehash
     store.row((1, 2, 3))
     SuffixAutomaton(np.arange(3 * SuffixAutomaton.INITIAL_TOKENS) % 7).continuation(4)  # + rehash
+    topk.warmup()  # the engine's top-K rows
     return time.perf_counter() - t0

@@ -37,7 +37,8 @@ from vllm_recap.vllm.seeding import PromptSeeder
 from vllm_recap.vllm.tree_verify import empty_output
 from vllm_recap.vllm.tree_verify import prepare as prepare_trees
 from vllm_recap.vllm.tree_verify import write as write_trees
-from vllm_recap.vllm.verifier import compact_kv, node_tokens_of_rows, topk_rows
+from vllm_recap.vllm.verifier import (compact_kv, node_tokens_of_rows, top1_is_argmax,
+                                      topk_rows)
 
 # What the driver reads from vLLM's model runner (checked once, at the first step).
 RUNNER_ATTRIBUTES = (
@@ -248,7 +249,8 @@ class StepDriver:
         trees = None
         if plan.trees:  # before vLLM's sampler, which may edit the logits in place
             trees = prepare_trees(plan, logits, rows.node_tokens, runner,
-                                  keep_rows=self._wants_logprobs(runner, plan))
+                                  keep_rows=self._wants_logprobs(runner, plan),
+                                  argmax=ids[:, 0] if top1_is_argmax(logits) else None)
         t1 = time.perf_counter()
         if trees is not None and len(plan.trees) == len(plan.req_ids) and trees.raw is None:
             # Every request verifies a tree and none wants logprobs: vLLM's rejection sampler

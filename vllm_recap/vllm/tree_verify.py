@@ -58,7 +58,7 @@ def request_sampling(runner, req_id: str) -> RequestSampling:
 
 
 def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runner,
-            keep_rows: bool) -> TreeVerification:
+            keep_rows: bool, argmax: np.ndarray | None = None) -> TreeVerification:
     """Processes and walks every tree of the step (before vLLM's sampler runs).
 
     Args:
@@ -67,6 +67,8 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         node_tokens: [R] the token at each logits row.
         runner: vLLM's model runner (``requests``: sampling params, tokens, generator).
         keep_rows: keep raw and processed rows for logprobs.
+        argmax: [R] each logits row's argmax by vLLM's rule (lowest id among equal maxima),
+            when the caller has it (the top-1 of the memory rows on CPU); else computed here.
     """
     starts = plan.logits_starts
     rows, req, parent, offsets = [], [], [], []
@@ -82,7 +84,6 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         total += n
     flat = np.concatenate(rows)
     batch = TreeBatch.from_parents(np.concatenate(req), np.concatenate(parent), node_tokens[flat])
-    raw = logits[torch.from_numpy(flat).to(logits.device)]
     if not keep_rows:
         # Greedy-equivalent rows (top_k = 1) are walked by argmax: temperature and top-k/p do
         # not move the argmax, so skip them (they sort the vocabulary) unless logprobs of the
@@ -90,9 +91,12 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         requests = [r if r is None or r.is_greedy or not r.greedy_equivalent
                     else replace(r, temperature=0.0) for r in requests]
     if not keep_rows and all(r.is_plain for r in requests if r is not None):
-        # Plain greedy trees (the common case): the raw rows' argmax decides; no float32 copy
-        # of [N, V] and no softmax.
-        return TreeVerification(batch, offsets, walk_targets(batch, row_argmax(raw)), None, None)
+        # Plain greedy trees (the common case): the raw rows' argmax decides; no copy of the
+        # [N, V] rows and no softmax.
+        targets = (argmax[flat] if argmax is not None
+                   else row_argmax(logits[torch.from_numpy(flat).to(logits.device)]))
+        return TreeVerification(batch, offsets, walk_targets(batch, targets), None, None)
+    raw = logits[torch.from_numpy(flat).to(logits.device)]
     processed = process_tree_logits(raw, batch, requests)
     walk = verify_trees(processed, batch, requests)
     return TreeVerification(batch, offsets, walk, raw if keep_rows else None,
