@@ -122,7 +122,7 @@ class FakeEngine:
 
     def __init__(self, drivers: list[StepDriver], target: ToyTarget | None = None,
                  chunk: int = 16, max_model_len: int = 512, device: str = "cpu",
-                 uses_mrope: bool = False) -> None:
+                 uses_mrope: bool = False, fused_lm_head: bool = True) -> None:
         self.drivers = drivers
         self.target = target or ToyTarget()
         self.chunk = chunk
@@ -138,9 +138,17 @@ class FakeEngine:
         self.step_count = 0
         self.off_chain_accepts = 0
         self.tree_steps = 0
+        self._contexts: list[list[int]] = []  # every flat token's context so far (see _forward)
         self.plans: list[list] = []  # per step, per rank: (parents per request, tree rows)
-        for d in drivers:
-            d.compute_logits = self._seed_logits
+        # Each rank's 'model': the forward hook and compute_logits seams of a vLLM model, so
+        # prompt rows ride along with the step's own LM-head call (fused_lm_head=False: the
+        # rows get calls of their own, as where no forward hook runs)
+        self.models = [_FakeModel(self) for _ in drivers]
+        for d, model in zip(drivers, self.models):
+            if fused_lm_head:
+                d.bind_model(model)
+            else:
+                d.compute_logits = self._seed_logits
 
     # -- requests --------------------------------------------------------------------------
 
@@ -175,18 +183,19 @@ class FakeEngine:
             self.step_count += 1
             return
         runners = [runner] + [self._copy(runner) for _ in self.drivers[1:]]
-        results = [self._run_rank(d, so, r) for d, r in zip(self.drivers, runners)]
+        results = [self._run_rank(d, m, so, r)
+                   for d, m, r in zip(self.drivers, self.models, runners)]
         sampled_lists, drafts = results[0]
         for rank, (other_sampled, _) in enumerate(results[1:], 1):
             assert other_sampled == sampled_lists, f"rank {rank} committed other tokens"
         self._bookkeep(runner, sampled_lists, drafts)
         self.step_count += 1
 
-    def _run_rank(self, driver: StepDriver, so, runner):
+    def _run_rank(self, driver: StepDriver, model: "_FakeModel", so, runner):
         driver.on_update_states(runner, so)
         driver.begin_step(runner, so)
         ctx = driver.scope.current
-        logits, hidden = self._forward(runner, ctx)
+        logits, hidden = self._forward(runner, ctx, model)
         md = None
         n_drafts = [len(so.scheduled_spec_decode_tokens.get(r, [])) for r in runner.input_batch.req_ids]
         if any(n_drafts):
@@ -296,7 +305,7 @@ class FakeEngine:
             clone.mrope_positions = SimpleNamespace(gpu=runner.mrope_positions.gpu.clone())
         return clone
 
-    def _forward(self, runner, ctx):
+    def _forward(self, runner, ctx, model):
         """Logits rows (1 + drafts per request) and 'hidden states' (the flat contexts)."""
         plan = ctx.plan
         contexts: list[list[int]] = []  # per flat token: the context its output conditions on
@@ -328,10 +337,12 @@ class FakeEngine:
                         assert (runner.mrope_positions.gpu[:, plan.query_starts[i] + j]
                                 == want).all()
                 rows.append(len(contexts) - 1)
-        self._contexts = contexts
-        logits = torch.from_numpy(np.stack([self.target.logits(contexts[r]) for r in rows]))
-        hidden = torch.arange(len(contexts), dtype=torch.float32)[:, None]
-        return logits, hidden
+        # 'hidden states' name contexts in a registry kept across steps: prompt seeding may
+        # compute a row from a hidden state of an earlier step
+        base = len(self._contexts)
+        self._contexts.extend(contexts)
+        hidden = model(torch.arange(base, base + len(contexts), dtype=torch.float64)[:, None])
+        return model.compute_logits(hidden[torch.tensor(rows)]), hidden
 
     def _seed_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         idx = hidden[:, 0].long().tolist()
@@ -377,3 +388,18 @@ class FakeEngine:
                 self.finished[rid] = req.output[:req.max_tokens]
                 del self.requests[rid]
                 self._gone.add(rid)
+
+
+class _FakeModel(torch.nn.Module):
+    """A rank's model as the driver sees it: ``forward`` returns the step's 'hidden states'
+    (context ids, see FakeEngine._forward), ``compute_logits`` the target's rows for them."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.engine._seed_logits(hidden)

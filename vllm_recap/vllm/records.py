@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from vllm_recap.core.drafter import Drafter
 from vllm_recap.core.tree import DraftTree
@@ -23,14 +24,22 @@ class PromptSeed:
     Attributes:
         seen: sorted int64 distinct prompt tokens already chosen (first occurrence only).
         num_rows: rows chosen so far (capped by ``prompt_seed_rows``).
-        positions, ids, probs: per prefill chunk, [m] positions, [m, K] ids, [m, K] probs.
+        pending: chosen positions whose rows are not computed yet: ([m] positions,
+            [m, hidden] their last hidden states, copied out of the step that computed them).
+        positions, ids, probs: computed rows waiting for the drafter to start the request:
+            per batch, [m] positions, [m, K] ids, [m, K] probs.
     """
 
     seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     num_rows: int = 0
+    pending: list[tuple[np.ndarray, torch.Tensor]] = field(default_factory=list)
     positions: list[np.ndarray] = field(default_factory=list)
     ids: list[np.ndarray] = field(default_factory=list)
     probs: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(p) for p, _ in self.pending)
 
     def add(self, positions: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> None:
         self.positions.append(positions)
@@ -56,7 +65,7 @@ class RequestRecord:
         proposal: the full tree proposed for the request's next step (the scheduler gets a
             prefix of its drafts); consumed when that step is laid out.
         num_committed: tokens in the drafter's history (0 before the drafter started it).
-        seed: prompt rows waiting for the drafter to start the request.
+        seed: prompt rows waiting to be computed, or for the drafter to start the request.
     """
 
     salt: str | None = None

@@ -1,14 +1,29 @@
 """Prompt seeding: top-K rows at prompt positions, so memories know the prompt from step one.
 
 vLLM computes logits only for the last prompt position. The prompt's other positions are
-where an answer that quotes its input gets its drafts, so at each prefill chunk RECAP runs
-the LM head over the hidden states of the first occurrence of every distinct prompt token
-(at most ``prompt_seed_rows`` per request) and hands those rows to the drafter when the
-request starts decoding. Selection is vectorised per chunk (``np.unique``), no per-token loop.
+where an answer that quotes its input gets its drafts, so in each prefill chunk RECAP takes
+the first occurrence of every distinct prompt token (at most ``prompt_seed_rows`` per request;
+selection vectorised per chunk with ``np.unique``) and needs the LM head over those
+positions' last hidden states.
+
+On a CPU the LM head costs mostly the reading of its weights, not the rows: a separate
+LM-head call over 128 rows was a 9 ms step for SmolLM2 (49k x 576) and 35 ms for Gemma-3-270M
+(262k x 640) -- the proposer's p99 -- and a burst of arrivals stalled every running request's
+step for it. So the rows ride along with the LM-head call the step makes anyway: the driver
+chooses the positions when the step is laid out (:meth:`PromptSeeder.plan`), a forward hook
+keeps the step's hidden states, and :meth:`PromptSeeder.fused_inputs` appends the chosen
+rows to the step's own ``compute_logits`` input. Where that call cannot carry them (CUDA
+graphs run no Python hooks; a call of an unexpected shape), :meth:`PromptSeeder.finish`
+computes them with a call of their own. At most ``max_rows_per_step`` rows are computed per
+step over the batch (on a CPU a multiply-add budget, :func:`rows_per_step`); the others wait,
+as copies of their hidden states, for the next steps. The bound depends on the model only, so
+every tensor-parallel rank seeds the same rows. Rows reach the drafter when the request starts
+decoding, or at once if it already has.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,26 +32,91 @@ from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.records import RequestBook
 from vllm_recap.vllm.verifier import topk_rows
 
+# LM-head multiply-adds per step for prompt rows on a CPU (compute only, the weights are read
+# for the step's own rows anyway: ~2-3 ms of a 2-core CPU in bfloat16). SmolLM2 (49k x 576)
+# gets the cap of 128 rows, Gemma-3-270M (262k x 640) 23.
+CPU_SEED_MACS_PER_STEP = 4e9
+MIN_ROWS_PER_STEP = 8
+MAX_ROWS_PER_STEP = 128
+
+
+def rows_per_step(vocab: int, hidden: int, on_cpu: bool) -> int:
+    """Most prompt rows computed per engine step: 128 on an accelerator (where the LM head
+    over them costs next to nothing), a multiply-add budget on a CPU."""
+    if not on_cpu:
+        return MAX_ROWS_PER_STEP
+    rows = int(CPU_SEED_MACS_PER_STEP // max(1, vocab * hidden))
+    return max(MIN_ROWS_PER_STEP, min(MAX_ROWS_PER_STEP, rows))
+
+
+@dataclass
+class SeedStep:
+    """The prompt rows of one engine step.
+
+    Attributes:
+        picks: (batch index, [m] prompt positions) chosen in this step's prefill chunks.
+        now: how many of the picked positions (in pick order) are computed in this step.
+        waiting: (request id, [m] positions, [m, hidden] hidden states) chosen in earlier
+            steps and computed in this one.
+        hidden: [T, hidden] this step's last hidden states (from the forward hook).
+        logits: [rows, V] the rows' logits (waiting first, then picked), once computed.
+    """
+
+    picks: list[tuple[int, np.ndarray]]
+    now: int
+    waiting: list[tuple[str, np.ndarray, torch.Tensor]]
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows computed in this step."""
+        return self.now + sum(len(p) for _, p, _ in self.waiting)
+
 
 class PromptSeeder:
-    """Chooses prompt positions per prefill chunk and computes their rows.
+    """Chooses prompt positions per prefill chunk and computes their rows, a bounded number
+    per step, in the step's own LM-head call where it can.
 
     Args:
         max_rows: most rows per request (``prompt_seed_rows``; 0 = off).
         top_k: K of a row.
         blocked: [V] bool, tokens never seeded (image/video placeholders).
-        max_rows_per_step: most rows per engine step over all requests: each row is an
-            LM-head row (tens of microseconds to a millisecond), and a burst of arrivals must
-            not stall one step for all running requests.
+        max_rows_per_step: most rows computed per engine step over all requests (see
+            :func:`rows_per_step`); chosen rows beyond it wait for the next steps.
     """
 
     def __init__(self, max_rows: int, top_k: int, blocked: np.ndarray,
-                 max_rows_per_step: int = 128) -> None:
+                 max_rows_per_step: int = MAX_ROWS_PER_STEP) -> None:
         self.max_rows = max_rows
         self.top_k = top_k
         self.blocked = blocked
         self.max_rows_per_step = max_rows_per_step
         self.rows_seeded = 0
+        self.fused_rows = 0  # rows that rode along with a step's own LM-head call
+
+    def plan(self, plan: StepPlan, token_ids: np.ndarray, records: RequestBook
+             ) -> SeedStep | None:
+        """This step's rows: positions chosen in its prefill chunks plus rows waiting from
+        earlier steps (batch order, oldest first); at most ``max_rows_per_step`` are computed
+        now, waiting ones first. None when there is nothing to seed."""
+        picks = self.choose(plan, token_ids, records)
+        room = self.max_rows_per_step
+        waiting = []
+        for req_id in plan.req_ids:
+            seed = records.get(req_id).seed if req_id in records else None
+            while seed is not None and seed.pending and room > 0:
+                positions, rows = seed.pending[0]
+                if len(positions) > room:  # split: the rest waits for the next step
+                    seed.pending[0] = (positions[room:], rows[room:])
+                    positions, rows = positions[:room], rows[:room]
+                else:
+                    seed.pending.pop(0)
+                waiting.append((req_id, positions, rows))
+                room -= len(positions)
+        if not picks and not waiting:
+            return None
+        return SeedStep(picks, min(room, sum(len(p) for _, p in picks)), waiting)
 
     def choose(self, plan: StepPlan, token_ids: np.ndarray, records: RequestBook
                ) -> list[tuple[int, np.ndarray]]:
@@ -53,13 +133,12 @@ class PromptSeeder:
         if self.max_rows <= 0:
             return []
         picks = []
-        step_room = self.max_rows_per_step
         for i, req_id in enumerate(plan.req_ids):
             start, n_prompt = int(plan.num_computed[i]), int(plan.num_prompt[i])
-            if start >= n_prompt or step_room <= 0:
+            if start >= n_prompt:
                 continue
             seed = records.get(req_id).seed
-            room = min(self.max_rows - seed.num_rows, step_room)
+            room = self.max_rows - seed.num_rows
             if room <= 0:
                 continue
             end = min(n_prompt, start + int(plan.num_scheduled[i]))
@@ -72,32 +151,91 @@ class PromptSeeder:
             chosen = tokens[fresh][order]
             seed.seen = np.union1d(seed.seen, chosen)
             seed.num_rows += int(order.size)
-            step_room -= int(order.size)
             picks.append((i, start + first[fresh][order]))
         return picks
 
-    def seed(self, plan: StepPlan, picks: list[tuple[int, np.ndarray]],
-             hidden_states: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
-             records: RequestBook) -> None:
-        """Runs the LM head over the chosen positions' hidden states; stores the rows.
+    @staticmethod
+    def _picked_hidden(step: SeedStep, plan: StepPlan, hidden_states: torch.Tensor,
+                       first: int, last: int | None) -> list[torch.Tensor]:
+        """Hidden states (copies) of picked positions ``first:last`` in pick order."""
+        if not step.picks:
+            return []
+        flat = np.concatenate([plan.query_starts[i] + pos - plan.num_computed[i]
+                               for i, pos in step.picks])[first:last]
+        if flat.size == 0:
+            return []
+        return [hidden_states[torch.from_numpy(flat).to(hidden_states.device)]]
+
+    def fused_inputs(self, step: SeedStep, plan: StepPlan) -> torch.Tensor | None:
+        """[rows, hidden] the hidden states to append to the step's own LM-head input: the
+        waiting rows, then the picked ones computed now. None if the forward hook did not
+        capture this step's hidden states (the rows then get a call of their own)."""
+        if step.now and (step.hidden is None
+                         or step.hidden.shape[0] < int(plan.query_starts[-1])):
+            return None
+        parts = [rows for _, _, rows in step.waiting]
+        parts += self._picked_hidden(step, plan, step.hidden, 0, step.now) if step.now else []
+        return torch.cat(parts) if parts else None
+
+    def finish(self, step: SeedStep, plan: StepPlan, hidden_states: torch.Tensor,
+               compute_logits: Callable[[torch.Tensor], torch.Tensor],
+               records: RequestBook) -> None:
+        """After the step: keeps the picked rows beyond this step's bound for later, computes
+        this step's rows if the fused call did not, and delivers them.
 
         Args:
+            step: from :meth:`plan` (its ``logits`` set if the rows rode along).
             plan: the step layout (query starts, num_computed).
-            picks: from :meth:`choose`.
             hidden_states: [T, hidden] the step's last hidden states (flat token batch).
-            compute_logits: the target model's ``compute_logits``.
-            records: where the rows wait for the drafter.
+            compute_logits: the target model's own ``compute_logits``.
+            records: the request records (waiting rows; the drafter, for started requests).
         """
-        if not picks:
+        later = self._picked_hidden(step, plan, hidden_states, step.now, None)
+        if later:
+            self._stash_later(step, plan, later[0], records)
+        if step.num_rows == 0:
             return
-        flat = np.concatenate([plan.query_starts[i] + pos - plan.num_computed[i]
-                               for i, pos in picks])
-        logits = compute_logits(hidden_states[torch.from_numpy(flat).to(hidden_states.device)])
+        logits = step.logits
+        if logits is None:
+            logits = compute_logits(torch.cat(
+                [rows for _, _, rows in step.waiting]
+                + self._picked_hidden(step, plan, hidden_states, 0, step.now)))
+        else:
+            self.fused_rows += step.num_rows
         ids, probs = topk_rows(logits, self.top_k)
+        destinations = [(req_id, positions) for req_id, positions, _ in step.waiting]
+        destinations += self._split_picks(step, plan, 0, step.now)
         offset = 0
-        for i, positions in picks:
-            m = positions.shape[0]
-            records.get(plan.req_ids[i]).seed.add(positions, ids[offset:offset + m],
-                                                  probs[offset:offset + m])
+        for req_id, positions in destinations:
+            m = len(positions)
+            part = (ids[offset:offset + m], probs[offset:offset + m], positions)
+            if records.drafter.has_request(req_id):  # decoding already: straight in
+                records.drafter.add_prompt_rows(req_id, part)
+            elif req_id in records:
+                records.get(req_id).seed.add(positions, part[0], part[1])
             offset += m
         self.rows_seeded += offset
+
+    @staticmethod
+    def _split_picks(step: SeedStep, plan: StepPlan, first: int, last: int | None
+                     ) -> list[tuple[str, np.ndarray]]:
+        """(request id, positions) of picked positions ``first:last`` (pick order)."""
+        out, offset = [], 0
+        for i, positions in step.picks:
+            m = len(positions)
+            lo = max(first - offset, 0)
+            hi = m if last is None else min(last - offset, m)
+            if hi > lo:
+                out.append((plan.req_ids[i], positions[lo:hi]))
+            offset += m
+        return out
+
+    def _stash_later(self, step: SeedStep, plan: StepPlan, rows: torch.Tensor,
+                     records: RequestBook) -> None:
+        """Picked rows beyond this step's bound wait in their records (hidden-state copies)."""
+        offset = 0
+        for req_id, positions in self._split_picks(step, plan, step.now, None):
+            m = len(positions)
+            if req_id in records:
+                records.get(req_id).seed.pending.append((positions, rows[offset:offset + m]))
+            offset += m
