@@ -110,6 +110,26 @@ def test_no_match_gives_bonus_only():
     assert accepted[1].tolist() == [] and sampled[1].tolist() == [31, -1, -1, -1, -1, -1, -1]
 
 
+def test_penalised_trees_give_the_memories_rows_of_the_processed_distribution():
+    """Under a repetition penalty the target picks from the penalised row; the memories get
+    that row's top-K (their top-1 is the token the walk compares), not the raw row's, whose
+    top-1 is a penalised token here. Plain greedy trees keep the raw rows (None)."""
+    plan = _plan()
+    node_tokens = np.array([7, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22])
+    logits = torch.randn(11, 32)
+    logits[:, 7] = 10.0  # raw top-1 everywhere: 7, which the request's output holds
+    logits[:, 9] = 8.0  # penalised: 10 / 1.5 < 8, so 9 wins
+    runner = _runner(plan, greedy_params(repetition_penalty=1.5))
+    ver = prepare(plan, logits, node_tokens, runner, keep_rows=False, top_k=4)
+    flat, ids, probs = ver.memory_rows
+    assert flat.tolist() == list(range(1, 8))  # r1's tree rows
+    assert (ids[:, 0] == 9).all() and (ids[:, 1] == 7).all()
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-6)
+    assert ver.walk.target.tolist() == [9] * 7
+    plain = prepare(plan, logits, node_tokens, _runner(plan), keep_rows=False, top_k=4)
+    assert plain.memory_rows is None
+
+
 class _FakeImpl:
     def __init__(self):
         self.calls = []

@@ -258,7 +258,11 @@ class StepDriver:
         if plan.trees:  # before vLLM's sampler, which may edit the logits in place
             trees = prepare_trees(plan, logits, rows.node_tokens, runner,
                                   keep_rows=self._wants_logprobs(runner, plan),
-                                  argmax=ids[:, 0] if top1_is_argmax(logits) else None)
+                                  argmax=ids[:, 0] if top1_is_argmax(logits) else None,
+                                  top_k=self.config.top_k)
+            if trees.memory_rows is not None:  # rows of processed distributions replace raw
+                flat, processed_ids, processed_probs = trees.memory_rows
+                ids[flat], probs[flat] = processed_ids, processed_probs
         t1 = time.perf_counter()
         if trees is not None and len(plan.trees) == len(plan.req_ids) and trees.raw is None:
             # Every request verifies a tree and none wants logprobs: vLLM's rejection sampler

@@ -21,7 +21,7 @@ import torch
 from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.tree_sampling import RequestSampling, TreeBatch, process_tree_logits
 from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees, walk_targets
-from vllm_recap.vllm.verifier import row_argmax
+from vllm_recap.vllm.verifier import row_argmax, topk_rows
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID for rejected positions
 
@@ -36,6 +36,9 @@ class TreeVerification:
         walk: accepted nodes and committed token per tree.
         raw: [N, V] the nodes' logits rows (copies), kept only if logprobs may be written.
         processed: [N, V] float32 processed rows (same condition).
+        memory_rows: (logits rows [N], ids [N, K], probs [N, K]): top-K rows of the nodes'
+            processed distributions, for the memories, when some request processes its rows
+            (penalties, temperature, masks); None when every tree is plain greedy.
     """
 
     batch: TreeBatch
@@ -43,6 +46,7 @@ class TreeVerification:
     walk: TreeWalk
     raw: torch.Tensor | None
     processed: torch.Tensor | None
+    memory_rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def accepted(self, plan: StepPlan) -> dict[int, np.ndarray]:
         """Batch row -> accepted node indices within its tree (depth order, root excluded)."""
@@ -58,7 +62,8 @@ def request_sampling(runner, req_id: str) -> RequestSampling:
 
 
 def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runner,
-            keep_rows: bool, argmax: np.ndarray | None = None) -> TreeVerification:
+            keep_rows: bool, argmax: np.ndarray | None = None,
+            top_k: int = 0) -> TreeVerification:
     """Processes and walks every tree of the step (before vLLM's sampler runs).
 
     Args:
@@ -69,6 +74,7 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         keep_rows: keep raw and processed rows for logprobs.
         argmax: [R] each logits row's argmax by vLLM's rule (lowest id among equal maxima),
             when the caller has it (the top-1 of the memory rows on CPU); else computed here.
+        top_k: K of the memory rows taken from processed distributions (0: none).
     """
     starts = plan.logits_starts
     rows, req, parent, offsets = [], [], [], []
@@ -99,8 +105,12 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
     raw = logits[torch.from_numpy(flat).to(logits.device)]
     processed = process_tree_logits(raw, batch, requests)
     walk = verify_trees(processed, batch, requests)
+    # The memories learn what the target picks under the request's own processing: with
+    # Qwen2.5-VL's repetition penalty 1.05 a seen token's logit of ~20 drops by ~1, which
+    # often moves the argmax away from the raw row's top-1 that a raw row would draft.
+    memory = (flat, *topk_rows(processed, top_k)) if top_k > 0 else None
     return TreeVerification(batch, offsets, walk, raw if keep_rows else None,
-                            processed if keep_rows else None)
+                            processed if keep_rows else None, memory)
 
 
 def write(ver: TreeVerification, plan: StepPlan, output, logprobs_mode: str) -> None:
