@@ -4,7 +4,9 @@ The budget controller learns the cost of a step as a function of the tokens it r
 runner seams see the start of each step (``begin_step``); a step's duration is the time to
 the next step's start, unless the engine sat idle in between (then it is unknown and
 skipped). Prompt seeding runs in some steps only and does not depend on the draft count, so
-its time is taken out: otherwise the size measured in a seeding step looks dear for long.
+its time is taken out: otherwise the size measured in a seeding step looks dear for long. A
+step whose prompt rows rode along with its own LM-head call is skipped too (their share of
+that call cannot be timed apart).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class StepClock:
         self._context = 0.0
         self._excluded = 0.0
         self._work = 0.0
+        self._shared = False
 
     def step_started(self, num_tokens: int, context: float,
                      drafts: int = 0) -> tuple[int, float, float, int, float] | None:
@@ -43,15 +46,16 @@ class StepClock:
         Returns:
             (tokens, seconds, context, drafts, work) of the previous step -- ``work`` is
             RECAP's own part of its seconds (seeding excluded from both) -- or None when it is
-            unknown (first step, or the engine was idle before this one).
+            unknown (first step, the engine was idle before this one, or prompt rows rode
+            along with its LM-head call).
         """
         now = time.perf_counter()
         previous = None
-        if self._begin is not None and now - self._end < IDLE_GAP_S:
+        if self._begin is not None and now - self._end < IDLE_GAP_S and not self._shared:
             previous = (self._tokens, now - self._begin - self._excluded, self._context,
                         self._drafts, self._work)
         self._begin, self._tokens, self._excluded, self._work = now, num_tokens, 0.0, 0.0
-        self._drafts = drafts
+        self._drafts, self._shared = drafts, False
         self._context = context
         return previous
 
@@ -59,5 +63,6 @@ class StepClock:
         """Records the step's RECAP work; its seeding time is left out of the step cost."""
         self._end = time.perf_counter()
         self._excluded = timing.seeding
+        self._shared = timing.shared_lm_head
         self._work = max(0.0, timing.work - timing.seeding)
         self.work_seconds.append(timing.work)

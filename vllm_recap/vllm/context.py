@@ -131,10 +131,13 @@ class StepTiming:
         work: layout, rows, acceptance, memory updates and drafting.
         seeding: the part of ``work`` spent on prompt rows (excluded from the budget's step
             cost: it happens in some steps only and does not depend on the draft count).
+        shared_lm_head: prompt rows rode along with the step's own LM-head call, whose time
+            is vLLM's and cannot be split: the step is no clean cost sample.
     """
 
     work: float = 0.0
     seeding: float = 0.0
+    shared_lm_head: bool = False
 
 
 @dataclass

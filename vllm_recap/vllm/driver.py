@@ -494,6 +494,7 @@ class StepDriver:
         spent = time.perf_counter() - t0  # the rows' share of the shared call is vLLM's time
         ctx.timing.seeding += spent
         ctx.timing.work += spent
+        ctx.timing.shared_lm_head = True
         logits = self.compute_logits(joined)
         step.logits = logits[n:]
         return logits[:n]
