@@ -124,3 +124,43 @@ def test_validate_rejects_wrong_depths() -> None:
     with pytest.raises(ValueError, match=r"depths \[0, 2\] do not match the parents"):
         DraftTree(np.array([1, 2]), np.array([-1, 0]), np.array([1.0, 0.5]), 1,
                   np.array([0, 2])).validate()
+
+
+def test_best_first_prefix_is_the_best_subtree_not_the_best_chain() -> None:
+    #        0
+    #      /   \
+    #     1(.9)  4(.5)        builders' layout: the best chain 0-1-2-3 first
+    #     |
+    #     2(.4)
+    #     |
+    #     3(.3)
+    tree = DraftTree(np.arange(5), np.array([-1, 0, 1, 2, 0]), np.array([1.0, .9, .4, .3, .5]))
+    assert tree.chain_len == 3
+    best = tree.best_first()
+    best.validate()
+    assert best.tokens.tolist() == [0, 1, 4, 2, 3]  # a 2-draft prefix: both depth-1 nodes
+    assert best.parents.tolist() == [-1, 0, 0, 1, 3]
+    assert best.truncate(3).draft_tokens.tolist() == [1, 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(parents_first_trees())
+def test_best_first_is_a_parents_first_layout_by_capped_score(parents: np.ndarray) -> None:
+    n = parents.shape[0]
+    rng = np.random.default_rng(n)
+    scores = np.r_[1.0, rng.random(n - 1)]
+    tree = DraftTree(np.arange(n) + 100, parents, scores,
+                     sources=np.arange(n))
+    best = tree.best_first()
+    best.validate()  # parents first, depths consistent
+    order = best.sources  # original index of each laid-out node
+    assert order[0] == 0 and sorted(order.tolist()) == list(range(n))
+    np.testing.assert_array_equal(best.tokens, tree.tokens[order])
+    # each node keeps its parent (through the permutation)
+    for i in range(1, n):
+        assert order[best.parents[i]] == parents[order[i]]
+    # capped scores never increase along the layout: every prefix is a best subtree
+    capped = scores.copy()
+    for i in range(1, n):
+        capped[i] = min(capped[i], capped[parents[i]])
+    assert np.all(np.diff(capped[order]) <= 1e-12)

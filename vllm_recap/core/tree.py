@@ -89,6 +89,36 @@ class DraftTree:
                          min(self.chain_len, n - 1), self.depths[:n],
                          None if self.sources is None else self.sources[:n])
 
+    def best_first(self) -> DraftTree:
+        """The same tree laid out best node first: by score, each score capped by its
+        ancestors' (so parents come first), ties to the shallower then the earlier node.
+
+        Every prefix of this layout is the best subtree of its size by score, which is what
+        an engine that verifies a prefix (the adaptive node budget) should get; the builders'
+        layout puts the whole best chain first, so a prefix of b nodes was mostly a chain.
+        Deterministic (every tensor-parallel rank lays out the same tree).
+        """
+        n = self.num_nodes
+        if n <= 2:
+            return self
+        capped = self.scores.tolist()
+        parents = self.parents.tolist()
+        for i in range(1, n):  # parents first: one pass (Python floats: n <= ~64)
+            if capped[parents[i]] < capped[i]:
+                capped[i] = capped[parents[i]]
+        order = np.lexsort((np.arange(n), self.depths, -np.asarray(capped)))
+        return self._relaid(order)
+
+    def _relaid(self, order: np.ndarray) -> DraftTree:
+        """The same nodes in ``order`` (a parents-first permutation with the root first)."""
+        n = self.num_nodes
+        new_index = np.empty(n, np.int64)
+        new_index[order] = np.arange(n)
+        old_parents = self.parents[order]
+        parents = np.where(old_parents >= 0, new_index[np.maximum(old_parents, 0)], -1)
+        return DraftTree(self.tokens[order], parents, self.scores[order], -1,
+                         self.depths[order], None if self.sources is None else self.sources[order])
+
     def is_chain(self) -> bool:
         """True if every node's parent is the node before it (a single path)."""
         return bool(np.all(self.parents[1:] == np.arange(self.num_nodes - 1)))

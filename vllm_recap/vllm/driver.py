@@ -330,6 +330,11 @@ class StepDriver:
                  for i in decoding}
         b = cap
         if self.adaptive and trees:
+            # The budget verifies a prefix of each tree: lay the best nodes first, so a prefix
+            # of b nodes is the best b-node subtree (the builders' layout puts the whole best
+            # chain first: at b = 8 that verified a chain of 8 where a fixed 8-node budget
+            # builds a tree of 8, and Spec-Bench ran 1.35x against the fixed budget's 1.51x).
+            trees = {i: tree.best_first() for i, tree in trees.items()}
             kinds = [self._kind(runner, ctx.plan.req_ids[i]) for i in trees]
             context = float(np.mean(runner.input_batch.num_tokens_no_spec[list(trees)]))
             b = self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan), kinds,
