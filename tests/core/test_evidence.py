@@ -220,3 +220,25 @@ def test_memory_stats_report_the_shared_index() -> None:
     assert stats["index_partitions"] == 1 and stats["index_bytes"] > 0
     off = drafter().memory_stats()  # shared_index off in this helper
     assert off["index_partitions"] == off["index_tokens"] == off["index_bytes"] == 0
+
+
+def test_a_verified_tree_laid_out_best_first_teaches_the_calibration_alike() -> None:
+    """The adaptive budget verifies a best-first layout of (part of) the proposal; the
+    calibration must learn from it exactly as from the proposal's own layout, and a subtree
+    verified in another layout counts only its own nodes."""
+    snaps = []
+    for layout in ("proposal", "best_first", "subtree"):
+        d = drafter(node_budget=3, calibrated_scores=True)
+        t = with_unigram(d, TEXT + [1])
+        assert not t.is_chain() and t.num_nodes > 4
+        v = {"proposal": t, "best_first": t.best_first(),
+             "subtree": t.best_first().truncate(3)}[layout]
+        if layout != "proposal":
+            assert v.tokens.tolist() != t.tokens[:v.num_nodes].tolist()  # not a prefix
+        n = v.num_nodes
+        d.observe("a", v.tokens, v.parents, np.zeros((n, 2), np.int64), np.ones((n, 2)))
+        d.commit("a", t.best_path().tolist() + [0])
+        snaps.append(d.acceptance_snapshot())
+    tested = [sum(sum(s["tested"]) for s in snap.values()) for snap in snaps]
+    assert snaps[0] == snaps[1] and tested[0] > 0
+    assert 0 < tested[2] < tested[0]

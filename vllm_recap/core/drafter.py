@@ -246,8 +246,9 @@ class Drafter:
         if pending is not None and n > 1:
             if kernels.same_prefix(tokens, parents, pending[0], pending[1]):
                 req.verified = n
-            else:  # verified something else: it says nothing about the proposal
-                req.pending = None
+            else:  # laid out otherwise (best node first), or something else entirely
+                req.pending = _verified_subtree(tokens, parents, pending)
+                req.verified = n if req.pending is not None else 0
 
     def commit(self, req_id: str, tokens: Sequence[int]) -> None:
         """Appends committed tokens (accepted drafts + bonus) to the history."""
@@ -485,6 +486,40 @@ class Drafter:
         status = kernels.observe_contexts(ctx3, ids, probs, self._memories(req))
         if status:
             raise ValueError(f"request {req_id!r}: prompt_rows: {_OBSERVE_ERRORS[status]}")
+
+
+def _verified_subtree(tokens: np.ndarray, parents: np.ndarray,
+                      pending: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...] | None:
+    """The pending proposal restricted to the verified tree's nodes, in the verified layout,
+    when that tree is a subtree of the proposal laid out otherwise: an engine that verifies
+    part of a tree (the adaptive node budget) lays the best nodes first, and the calibration
+    must learn from it as from the proposal's own layout. None when some verified node is not
+    the proposal's (it then says nothing about the proposal).
+
+    Args:
+        tokens, parents: [n] the verified tree (parents first).
+        pending: the proposal's (tokens, parents, depths, feats [F, m]).
+
+    Returns:
+        (tokens, parents, depths, feats [F, n]) of the matched nodes, or None.
+    """
+    p_tokens, p_parents, p_depths, p_feats = pending
+    if tokens[0] != p_tokens[0]:
+        return None
+    child: dict[tuple[int, int], int] = {}  # (proposal parent, token) -> proposal node
+    for j, (parent, token) in enumerate(zip(p_parents.tolist(), p_tokens.tolist())):
+        if j:
+            child.setdefault((parent, token), j)
+    index = [0]
+    for parent, token in zip(parents.tolist()[1:], tokens.tolist()[1:]):
+        j = child.get((index[parent], token))
+        if j is None:
+            return None
+        index.append(j)
+    if len(set(index)) != len(index):  # a node verified twice: not a layout of a subtree
+        return None
+    idx = np.array(index, np.int64)
+    return p_tokens[idx], parents.copy(), p_depths[idx], p_feats[:, idx]
 
 
 def _nonneg(name: str, value: object) -> int:
