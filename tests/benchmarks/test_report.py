@@ -426,9 +426,12 @@ def test_sampler_fixes_only_for_non_greedy_jobs(monkeypatch):
     # restore vLLM's functions after the test, whatever install does
     monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", rejection_sampler.expand_batch_to_tokens)
     monkeypatch.setattr(topk_topp_sampler, "apply_top_k_only", topk_topp_sampler.apply_top_k_only)
+    # greedy jobs leave vLLM's functions as they are (whatever an earlier test installed)
+    before = (rejection_sampler.expand_batch_to_tokens, topk_topp_sampler.apply_top_k_only)
     assert install_sampler_fixes({}) == []
     assert install_sampler_fixes({"sampling": job_sampling("greedy", 0)}) == []
-    assert not hasattr(rejection_sampler.expand_batch_to_tokens, "__recap_seam__")
+    assert (rejection_sampler.expand_batch_to_tokens,
+            topk_topp_sampler.apply_top_k_only) == before
     seams = install_sampler_fixes({"sampling": job_sampling("qwen_text", 0)})
     assert len(seams) == 2 and rejection_sampler.expand_batch_to_tokens.__recap_seam__ == seams[0]
     assert topk_topp_sampler.apply_top_k_only.__recap_seam__ == seams[1]
