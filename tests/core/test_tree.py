@@ -164,3 +164,42 @@ def test_best_first_is_a_parents_first_layout_by_capped_score(parents: np.ndarra
     for i in range(1, n):
         capped[i] = min(capped[i], capped[parents[i]])
     assert np.all(np.diff(capped[order]) <= 1e-12)
+
+
+def test_depth_first_puts_the_best_chain_first_and_each_path_in_one_run() -> None:
+    # best-first layout of the tree above: [0, 1, 4, 2, 3] -> depth first [0, 1, 2, 3, 4]
+    tree = DraftTree(np.arange(5), np.array([-1, 0, 1, 2, 0]), np.array([1.0, .9, .4, .3, .5]))
+    best = tree.best_first()
+    laid = best.depth_first()
+    laid.validate()
+    assert laid.tokens.tolist() == [0, 1, 2, 3, 4] and laid.parents.tolist() == [-1, 0, 1, 2, 0]
+    assert laid.chain_len == 3
+    assert best.truncate(3).depth_first().tokens.tolist() == [0, 1, 4]  # already in order
+    chain = DraftTree(np.arange(4), np.array([-1, 0, 1, 2]), np.ones(4))
+    assert chain.depth_first() is chain
+
+
+@settings(max_examples=60, deadline=None)
+@given(parents_first_trees())
+def test_depth_first_is_a_preorder_keeping_sibling_order(parents: np.ndarray) -> None:
+    n = parents.shape[0]
+    tree = DraftTree(np.arange(n) + 100, parents, np.r_[1.0, np.full(n - 1, 0.5)],
+                     sources=np.arange(n))
+    laid = tree.depth_first()
+    laid.validate()
+    order = laid.sources
+    assert order[0] == 0 and sorted(order.tolist()) == list(range(n))
+    np.testing.assert_array_equal(laid.tokens, tree.tokens[order])
+    for i in range(1, n):
+        assert order[laid.parents[i]] == parents[order[i]]
+    # preorder: every node's subtree is the run of indices right after it
+    size = np.ones(n, np.int64)
+    for i in range(n - 1, 0, -1):
+        size[laid.parents[i]] += size[i]
+    for v in range(n):
+        inside = [u for u in range(n) if v in ancestors(laid.parents, u) or u == v]
+        assert inside == list(range(v, v + size[v]))
+    # siblings keep their layout order
+    for v in range(n):
+        kids = [order[u] for u in range(1, n) if laid.parents[u] == v]
+        assert kids == sorted(kids)

@@ -156,6 +156,16 @@ def test_split_paths_golden():
     assert s.order == (0, 1, 2, 3, 4, 6, 7, 8, 10, 5, 9, 11)
 
 
+def test_depth_first_layout_needs_no_permutation():
+    """The proposer sends trees depth first: each path's own nodes are then one run, so the
+    virtual batch reads queries in place (``order`` is the identity)."""
+    parents = np.array([-1, 0, 0, 0, 1, 3, 3, 2, 4])  # a best-first-like layout
+    tree = DraftTree(np.arange(9), parents, np.ones(9))
+    assert list(split_paths(parents).order) != list(range(9))
+    laid = tree.depth_first()
+    assert list(split_paths(laid.parents).order) == list(range(9))
+
+
 def test_split_paths_chain_is_one_path_and_donors_chain():
     assert split_paths(chain_parents(4)).nodes == ((0, 1, 2, 3),)
     s = split_paths(np.array([-1, 0, 0, 2, 2, 4, 4]))  # branches off a non-chain path

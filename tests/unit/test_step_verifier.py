@@ -9,7 +9,8 @@ import torch
 
 from vllm_recap.core.tree import DraftTree
 from vllm_recap.vllm.context import StashedKV
-from vllm_recap.vllm.layout import build_plan, chain_parents, next_prefill_tokens
+from vllm_recap.vllm.layout import (as_scheduled, build_plan, chain_parents,
+                                    next_prefill_tokens)
 from tests.unit.fake_engine import greedy_params
 from vllm_recap.vllm.tree_verify import prepare, write
 from vllm_recap.vllm.verifier import compact_kv, node_tokens_of_rows, topk_rows
@@ -56,6 +57,26 @@ def _one(drafts, proposals):
     n = 1 + len(drafts)
     return build_plan(["r1"], np.array([n]), np.array([0, n]), {"r1": drafts}, proposals,
                       np.array([30]), np.array([9]))
+
+
+def test_scheduled_drafts_are_matched_to_the_depth_first_subtree_sent():
+    """The proposer sends the first b nodes of its tree depth first; the layout derives the
+    same subtree from what was scheduled (every rank alike), whatever its own b was."""
+    tree = _tree([10, 11, 12, 13, 14, 15, 16], TREE).best_first()
+    sent = tree.truncate(5).depth_first()
+    assert sent.tokens.tolist() != tree.tokens[:5].tolist()
+    for laid in (sent, None, tree.truncate(3).depth_first()):  # own, none, another rank's
+        got = as_scheduled(tree, laid, sent.draft_tokens.tolist())
+        assert got.tokens.tolist() == sent.tokens.tolist()
+        assert got.parents.tolist() == sent.parents.tolist()
+    plan = _one(sent.draft_tokens.tolist(), {"r1": as_scheduled(tree, None, sent.draft_tokens)})
+    assert plan.parents[0].tolist() == sent.parents.tolist()
+    # drafts that are not that subtree (a cut inside its order) get the full tree back:
+    # build_plan then verifies them as the prefix they are, or as a chain
+    cut = sent.draft_tokens[:3].tolist()  # [11, 14, 12]: not the first 4 nodes depth first
+    assert as_scheduled(tree, sent, cut) is tree
+    assert _one(cut, {"r1": tree}).parents[0].tolist() == [-1, 0, 1, 2]  # verified as a chain
+    assert as_scheduled(tree, sent, []) is tree
 
 
 def test_truncated_drafts_keep_a_valid_prefix_tree():

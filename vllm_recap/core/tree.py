@@ -109,14 +109,43 @@ class DraftTree:
         order = np.lexsort((np.arange(n), self.depths, -np.asarray(capped)))
         return self._relaid(order)
 
-    def _relaid(self, order: np.ndarray) -> DraftTree:
+    def depth_first(self) -> DraftTree:
+        """The same tree in depth-first preorder, children in layout order.
+
+        Each root-to-leaf path's own nodes (those no earlier path holds) are then one run of
+        indices and the first path is nodes 0..L, the best chain when every node's first
+        child is its best (builders' and best-first layouts alike). CPU tree attention
+        verifies a path as one request whose queries are such a run: in this layout it
+        reads the rows in place, with no permutation of queries and outputs in every layer,
+        and an accepted best chain already sits at its KV slots (no compaction).
+        """
+        n = self.num_nodes
+        if n <= 2:
+            return self
+        parents = self.parents.tolist()
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            children[parents[i]].append(i)
+        order, stack = [], [0]
+        while stack:
+            v = stack.pop()
+            order.append(v)
+            stack.extend(reversed(children[v]))
+        if order == list(range(n)):
+            return self
+        chain = 0
+        while chain + 1 < n and parents[order[chain + 1]] == order[chain]:
+            chain += 1
+        return self._relaid(np.array(order, np.int64), chain)
+
+    def _relaid(self, order: np.ndarray, chain_len: int = -1) -> DraftTree:
         """The same nodes in ``order`` (a parents-first permutation with the root first)."""
         n = self.num_nodes
         new_index = np.empty(n, np.int64)
         new_index[order] = np.arange(n)
         old_parents = self.parents[order]
         parents = np.where(old_parents >= 0, new_index[np.maximum(old_parents, 0)], -1)
-        return DraftTree(self.tokens[order], parents, self.scores[order], -1,
+        return DraftTree(self.tokens[order], parents, self.scores[order], chain_len,
                          self.depths[order], None if self.sources is None else self.sources[order])
 
     def is_chain(self) -> bool:

@@ -30,7 +30,8 @@ from vllm_recap.patches.runner import verify_runner
 from vllm_recap.vllm.clock import StepClock
 from vllm_recap.vllm.context import StepContext, StepRows, StepScope
 from vllm_recap.vllm.eligibility import greedy_equivalent, surely_finished, tree_unsupported_reason
-from vllm_recap.vllm.layout import build_plan, next_prefill_tokens, rewrite_positions
+from vllm_recap.vllm.layout import (as_scheduled, build_plan, next_prefill_tokens,
+                                    rewrite_positions)
 from vllm_recap.vllm.metrics import TreeMetrics, log_idle
 from vllm_recap.vllm.records import RequestBook
 from vllm_recap.vllm.seeding import MAX_ROWS_PER_STEP, PromptSeeder
@@ -170,9 +171,11 @@ class StepDriver:
         req_ids = list(batch.req_ids[:n])
         num_sched = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids],
                              np.int64)
-        proposals = self.records.take_proposals(req_ids)
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        proposals = {r: as_scheduled(tree, laid, scheduled.get(r, ()))
+                     for r, (tree, laid) in self.records.take_proposals(req_ids).items()}
         plan = build_plan(req_ids, num_sched, runner.query_start_loc.np[:n + 1],
-                          scheduler_output.scheduled_spec_decode_tokens, proposals,
+                          scheduled, proposals,
                           batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n])
         rewrite_positions(runner.positions,
                           runner.mrope_positions.gpu if runner.uses_mrope else None, plan)
@@ -343,9 +346,13 @@ class StepDriver:
         for i, tree in trees.items():
             # Every rank records the same full tree; only the count sent to the scheduler
             # (rank 0's, from its clock) is local, and the next layout cuts by what vLLM
-            # actually scheduled.
-            self.records.get(ctx.plan.req_ids[i]).proposal = tree
-            drafts[i] = tree.draft_tokens[:b].tolist()
+            # actually scheduled. The b nodes go out depth first (see DraftTree.depth_first:
+            # CPU tree attention then needs no permutation and an accepted best chain no KV
+            # compaction).
+            record = self.records.get(ctx.plan.req_ids[i])
+            record.proposal = tree
+            record.laid = tree.truncate(1 + b).depth_first()
+            drafts[i] = record.laid.draft_tokens.tolist()
         self.metrics.maybe_log(len(self.records), self.drafter.acceptance_snapshot)
         self._note_idle()
         ctx.timing.work += time.perf_counter() - t0

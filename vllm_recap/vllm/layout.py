@@ -58,6 +58,31 @@ def build_plan(req_ids: Sequence[str], num_scheduled: np.ndarray, query_starts: 
                     np.asarray(num_computed, np.int64), np.asarray(num_prompt, np.int64))
 
 
+def as_scheduled(tree: DraftTree, laid: DraftTree | None, drafts: Sequence[int]) -> DraftTree:
+    """The proposal as its scheduled drafts were sent: the first n nodes of ``tree`` (n =
+    drafts scheduled) in depth-first order (`DraftTree.depth_first`), which is what the
+    proposer sends; ``tree`` itself when the drafts are not that (``build_plan`` then checks
+    them against its prefix, else verifies them as a chain).
+
+    Every tensor-parallel rank records the same full tree but sends its own count: the
+    subtree is derived from what was scheduled (``laid``, this rank's own, only saves that
+    work when the counts agree).
+
+    Args:
+        tree: the full proposal.
+        laid: the laid-out subtree this rank sent, if any.
+        drafts: [n] the draft tokens vLLM scheduled.
+    """
+    n = len(drafts)
+    if n < 2:
+        return tree
+    if laid is None or laid.num_drafts != n:
+        laid = tree.truncate(1 + n).depth_first()
+    if laid.num_drafts == n and np.array_equal(laid.draft_tokens, np.asarray(drafts, np.int64)):
+        return laid
+    return tree
+
+
 def _is_prefix(drafts: Sequence[int], tree: DraftTree) -> bool:
     n = len(drafts)
     return n <= tree.num_drafts and np.array_equal(np.asarray(drafts, np.int64),

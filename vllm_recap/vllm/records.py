@@ -62,14 +62,17 @@ class RequestRecord:
 
     Attributes:
         salt: vLLM's ``cache_salt`` (persistent-memory partition), None if unsalted.
-        proposal: the full tree proposed for the request's next step (the scheduler gets a
-            prefix of its drafts); consumed when that step is laid out.
+        proposal: the full tree proposed for the request's next step; consumed when that
+            step is laid out.
+        laid: the subtree whose drafts this rank sent, in depth-first order (see
+            ``layout.as_scheduled``), consumed with the proposal.
         num_committed: tokens in the drafter's history (0 before the drafter started it).
         seed: prompt rows waiting to be computed, or for the drafter to start the request.
     """
 
     salt: str | None = None
     proposal: DraftTree | None = None
+    laid: DraftTree | None = None
     num_committed: int = 0
     seed: PromptSeed = field(default_factory=PromptSeed)
 
@@ -115,14 +118,16 @@ class RequestBook:
         if keep_salt and old is not None:
             self._records[req_id] = RequestRecord(salt=old.salt)
 
-    def take_proposals(self, req_ids: Iterable[str]) -> dict[str, DraftTree]:
-        """Pops the proposals of these requests: a proposal is valid for one step only."""
+    def take_proposals(self, req_ids: Iterable[str]
+                       ) -> dict[str, tuple[DraftTree, DraftTree | None]]:
+        """Pops the proposals (full tree, laid-out subtree sent) of these requests: a proposal
+        is valid for one step only."""
         out = {}
         for req_id in req_ids:
             record = self._records.get(req_id)
             if record is not None and record.proposal is not None:
-                out[req_id] = record.proposal
-                record.proposal = None
+                out[req_id] = (record.proposal, record.laid)
+                record.proposal = record.laid = None
         return out
 
     def __len__(self) -> int:
