@@ -113,8 +113,8 @@ def _batch(requests, bs, hs, dtype, window=None, softcap=None, seed=0, spare=40)
                            requests=requests, qsl=qsl, free=scratch, bs=bs, hs=hs)
 
 
-def _run_paths(b, scratch=None):
-    ctx = StepContext(b.plan)
+def _run_paths(b, scratch=None, kv_views=False):
+    ctx = StepContext(b.plan, kv_views=kv_views)
     vb = VirtualBatch.build(b.plan, b.meta, b.bs, b.free if scratch is None else scratch)
     out = torch.full((b.query.shape[0], H * b.hs), float("nan"), dtype=b.query.dtype)
     forward_with_paths(b.impl, b.layer, b.query, b.key, b.value, b.kv_cache, b.meta, vb, out,
@@ -219,6 +219,33 @@ def test_paths_match_float64_reference_and_old_path(dtype, bs, hs, window, softc
     qs = int(b.qsl[3])
     assert torch.equal(e.key, b.key[qs:qs + len(TREE_A)])
     assert torch.equal(e.slots, b.meta.slot_mapping[qs:qs + len(TREE_A)])
+
+
+@pytest.mark.parametrize("kv_views", [False, True])
+def test_the_stash_holds_views_only_where_the_step_allows(kv_views):
+    """Copies by default (a compiled graph may reuse a layer's buffers before acceptance),
+    views of the layer's own K/V in an eager step: same values either way."""
+    b = _batch(_requests(32), 32, 64, torch.float32, None, None)
+    _, ctx, _ = _run_paths(b, kv_views=kv_views)
+    qs = int(b.qsl[3])
+    for e in ctx.kv_stash[:1]:
+        assert torch.equal(e.key, b.key[qs:qs + len(TREE_A)])
+        assert torch.equal(e.value, b.value[qs:qs + len(TREE_A)])
+        shares = [t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+                  for t, src in ((e.key, b.key), (e.value, b.value),
+                                 (e.slots, b.meta.slot_mapping))]
+        assert shares == [kv_views] * 3
+
+
+def test_an_engine_runs_eagerly_only_without_a_compiled_graph():
+    from vllm_recap.vllm.proposer import _runs_eagerly
+
+    def config(eager, mode):
+        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
+                               compilation_config=SimpleNamespace(mode=mode))
+
+    assert _runs_eagerly(config(True, 3)) and _runs_eagerly(config(False, 0))
+    assert not _runs_eagerly(config(False, 3)) and not _runs_eagerly(config(False, None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -110,7 +110,8 @@ class StashedKV:
         layer: the attention layer (vLLM's ``Attention`` module) passed back to ``writer``.
         kv_cache: that layer's paged cache.
         batch_index: the request's row in the batch.
-        key, value: [n, KVH, D] the nodes' K and V (copies, safe after vLLM reuses buffers).
+        key, value: [n, KVH, D] the nodes' K and V: copies, or views of the layer's own
+            tensors where the step allows (``StepContext.kv_views``).
         slots: [n] int64 the slots the nodes were written to (root first).
     """
 
@@ -160,6 +161,10 @@ class StepContext:
             or a fixed budget), to learn how the step turned out against it.
         seeding: this step's prompt rows (None: nothing to seed), computed in the step's own
             LM-head call where possible (see :mod:`vllm_recap.vllm.seeding`).
+        kv_views: the stash may hold views of each layer's K/V instead of copies: the model
+            runs eagerly (nothing reuses a layer's buffers before acceptance, as a compiled
+            graph's memory plan may) and the step is small (a view keeps the layer's whole
+            QKV output alive until then).
     """
 
     plan: StepPlan
@@ -172,6 +177,7 @@ class StepContext:
     idle: bool = False
     decision: "Decision | None" = None
     seeding: "SeedStep | None" = None
+    kv_views: bool = False
 
     @property
     def has_trees(self) -> bool:

@@ -396,10 +396,14 @@ def forward_with_paths(impl: Any, layer: Any, query: torch.Tensor, key: torch.Te
         out3[:n_tok].index_copy_(0, vb.perm, out)
     if vb.dense:
         _recompute_dense(impl, layer, query, key, value, kv_cache, attn_metadata, vb, out3)
+    # Views where the step allows (three copies per tree and layer cost ~25-45 us of a
+    # ~100-400 us layer, bf16 SmolLM2 shapes); slots are the step's own, read before the
+    # next step's metadata.
+    keep = (lambda t: t) if ctx.kv_views else torch.Tensor.clone
     for batch_index, qs, n in vb.stash:
         ctx.kv_stash.append(StashedKV(impl, layer, kv_cache, batch_index,
-                                      key[qs:qs + n].clone(), value[qs:qs + n].clone(),
-                                      attn_metadata.slot_mapping[qs:qs + n].clone()))
+                                      keep(key[qs:qs + n]), keep(value[qs:qs + n]),
+                                      keep(attn_metadata.slot_mapping[qs:qs + n])))
     return output
 
 

