@@ -50,12 +50,12 @@ RUNNER_ATTRIBUTES = (
 )
 
 
-# Idle mode (see StepDriver._idle): steps without drafts before idling, the probe period (it
-# doubles after every probe that did not resume drafting, up to the longest, and starts over
-# when a request arrives) and its length.
 # Steps of at most this many tokens stash tree K/V as views in an eager model (a view keeps
 # its layer's QKV output alive until acceptance: for a 7B model ~9 KB per token and layer).
 KV_VIEWS_UP_TO = 512
+# Idle mode (see StepDriver._idle): steps without drafts before idling, the probe period (it
+# doubles after every probe that did not resume drafting, up to the longest, and starts over
+# when a request arrives) and its length.
 IDLE_AFTER = 4
 PROBE_EVERY = 16
 PROBE_EVERY_LONGEST = 128
