@@ -313,3 +313,92 @@ def test_a_level_that_disappoints_its_estimates_is_chosen_less() -> None:
     cost_ratio, gain_ratio = ctl.outcomes.ratios(first)
     assert cost_ratio > 1.05 and gain_ratio < 0.95
     assert ctl.outcomes.ratios(1) == (1.0, 1.0)  # never chosen: no correction
+
+
+def _chain_with_siblings(sibling_share: float) -> DraftTree:
+    """A best chain of 8 (each node 0.8 likely given its parent) plus a sibling of each of
+    its first 4 nodes, taken with probability ``sibling_share`` when the chain node is not,
+    laid out best first."""
+    tokens, parents, scores = [0], [-1], [1.0]
+    chain_node, chain_score = 0, 1.0
+    for i in range(8):
+        if i < 4:
+            tokens.append(100 + i)
+            parents.append(chain_node)
+            scores.append(chain_score * 0.2 * sibling_share)
+        tokens.append(1 + i)
+        parents.append(chain_node)
+        chain_score *= 0.8
+        scores.append(chain_score)
+        chain_node = len(tokens) - 1
+    return DraftTree(np.array(tokens), np.array(parents), np.array(scores)).best_first()
+
+
+def _walk(tree: DraftTree, sibling_share: float, rng) -> np.ndarray:
+    """Indices of the nodes the target accepts (root excluded), as :func:`_chain_with_siblings`
+    describes the target."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(tree.parents.tolist()[1:], 1):
+        children.setdefault(p, []).append(i)
+    accepted, v = [], 0
+    while True:
+        kids = children.get(v, [])
+        chain_kid = [k for k in kids if tree.tokens[k] < 100]
+        sibling = [k for k in kids if tree.tokens[k] >= 100]
+        u = rng.random()
+        if u < 0.8:
+            nxt = chain_kid[:1]
+        elif u < 0.8 + 0.2 * sibling_share:
+            nxt = sibling[:1]
+        else:
+            nxt = []
+        if not nxt:
+            return np.array(accepted, np.int64)
+        v = nxt[0]
+        accepted.append(v)
+        if tree.tokens[v] >= 100:  # a sibling has no children: the target goes on unseen
+            return np.array(accepted, np.int64)
+
+
+@pytest.mark.parametrize("tree_overhead, sibling_share, want_chains", [
+    (0.03, 0.5, True),    # a tree pass costs 30% of a plain pass more: its siblings don't pay
+    (0.0, 1.0, False),    # trees cost what chains of as many tokens do: siblings are free tokens
+])
+def test_the_budget_sends_chains_where_trees_do_not_pay(tree_overhead, sibling_share,
+                                                         want_chains):
+    """Closed loop on a synthetic machine where a step that verifies a tree pays a fixed
+    overhead over a chain step of as many tokens (CPU tree attention and tree acceptance):
+    offered both shapes, the controller learns both costs and sends the cheaper shape."""
+    rng = np.random.default_rng(0)
+    full = _chain_with_siblings(sibling_share)
+    chain = full.first_path()
+    assert chain.is_chain() and chain.num_drafts == 8 and not full.is_chain()
+
+    def step_cost(drafts: int, tree: bool) -> float:
+        return 0.10 + 0.004 * drafts + (tree_overhead if tree else 0.0)
+
+    ctl = BudgetController(16, DISCOUNTS)
+    shapes = []
+    for step in range(800):
+        b = ctl.choose([full], fixed_tokens=0, chains=[chain])
+        decision = ctl.last_decision
+        laid = (chain if ctl.last_chain else full).truncate(1 + b).depth_first()
+        is_tree = not laid.is_chain()
+        accepted = _walk(laid, sibling_share, rng) if b else np.zeros(0, np.int64)
+        sec = step_cost(laid.num_drafts, is_tree) * rng.uniform(0.97, 1.03)
+        ctl.observe_step(1 + laid.num_drafts, sec, drafts=laid.num_drafts, tree=is_tree)
+        if b:
+            ctl.observe_tree(laid.parents, laid.scores, accepted, laid.depths)
+            ctl.observe_outcome(decision, sec, len(accepted))
+        if step >= 400 and b:
+            shapes.append(not is_tree)
+    assert len(shapes) > 300  # drafting pays on both machines
+    chain_share = np.mean(shapes)
+    assert chain_share > 0.8 if want_chains else chain_share < 0.2
+
+
+def test_first_path_follows_the_first_children():
+    tree = DraftTree(np.arange(6), np.array([-1, 0, 0, 1, 2, 3]), np.array([1, .5, .4, .3, .35, .1]))
+    path = tree.first_path()
+    assert path.tokens.tolist() == [0, 1, 3, 5] and path.is_chain() and path.chain_len == 3
+    assert tree.leading_chain() == 1 and path.leading_chain() == 3

@@ -183,13 +183,38 @@ def test_tensor_parallel_ranks_with_different_clocks_lay_out_the_same_trees():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(n_ranks=2, config=config)
     rank0, rank1 = engine.drivers
-    rank0.budget.choose = lambda trees, prefill, kinds=None, context=0: 3  # rank 0: small trees pay
-    rank1.budget.choose = lambda trees, prefill, kinds=None, context=0: 1  # rank 1: its clock says no
+    rank0.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 3  # rank 0: small trees pay
+    rank1.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 1  # rank 1: its clock says no
     _add_all(engine, 30)
     out = engine.run()  # the engine asserts every step that both ranks commit the same
     assert out == _reference(engine.target, 30)
     assert all(step[0] == step[1] for step in engine.plans if len(step) == 2)
     assert rank0.stats["tree_requests"] == rank1.stats["tree_requests"] > 0
+
+
+def _choosing(budget, level: int, chain: bool):
+    """A stand-in for ``BudgetController.choose`` that always picks ``level`` and shape."""
+    def choose(trees, prefill, kinds=None, context=0, chains=None):
+        budget.last_chain = chain and chains is not None and level > 0
+        return level
+    return choose
+
+
+@pytest.mark.parametrize("chain0, chain1", [(True, False), (False, True), (True, True)])
+def test_tensor_parallel_ranks_choosing_different_shapes_lay_out_the_same_drafts(chain0, chain1):
+    """The budget may send a tree's best chain instead of the tree, per rank by its own
+    clock; the scheduler runs rank 0's drafts. Every rank must lay them out the same."""
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(n_ranks=2, config=config)
+    rank0, rank1 = engine.drivers
+    rank0.budget.choose = _choosing(rank0.budget, 4, chain0)
+    rank1.budget.choose = _choosing(rank1.budget, 4 if chain0 != chain1 else 2, chain1)
+    _add_all(engine, 30)
+    out = engine.run()  # the engine asserts every step that both ranks commit the same
+    assert out == _reference(engine.target, 30)
+    assert all(step[0] == step[1] for step in engine.plans if len(step) == 2)
+    assert rank0.stats["tree_requests"] == rank1.stats["tree_requests"]
+    assert (rank0.stats["tree_requests"] > 0) == (not chain0)
 
 
 def test_scheduled_drafts_that_are_not_the_proposal_verify_as_a_chain():
@@ -214,7 +239,7 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     engine = _engine(config=config)
     driver = engine.drivers[0]
     choice = {"b": 0}
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0: choice["b"]
+    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: choice["b"]
     _add_all(engine, 90)
     for _ in range(IDLE_AFTER + 2 * PROBE_EVERY):
         engine.step()
@@ -235,7 +260,7 @@ def test_idle_probes_back_off_while_they_find_nothing():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config, max_model_len=2048)
     driver = engine.drivers[0]
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0: 0
+    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 0
     _add_all(engine, 600)
     steps = 500
     for _ in range(steps):
@@ -282,7 +307,7 @@ def test_batch_node_budget_bounds_continuations_too():
                          budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)
     driver = engine.drivers[0]
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0: 12  # drafting pays
+    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 12  # drafting pays
     per_step = []
     original = driver.propose
 
@@ -302,7 +327,7 @@ def test_requests_finishing_in_an_idle_step_are_freed_at_once():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)
     driver = engine.drivers[0]
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0: 0
+    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 0
     _add_all(engine, 30)
     engine.run()
     assert driver.stats["idle_steps"] > 10
@@ -380,7 +405,7 @@ def test_an_arriving_request_resets_the_probe_back_off():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config, max_model_len=2048)
     driver = engine.drivers[0]
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0: 0
+    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 0
     first, *others = list(PROMPTS.items())
     engine.add(first[0], first[1], 600)
     for _ in range(400):

@@ -142,11 +142,13 @@ class Decision:
         level: the per-request node count chosen (> 0).
         seconds: the cost model's estimate of the step that verifies the drafts.
         gain: the calibrated expected accepted drafts over the batch.
+        chain: the drafts were chains (the best chain of each tree), not trees.
     """
 
     level: int
     seconds: float
     gain: float
+    chain: bool = False
 
 
 class LevelOutcomes:
@@ -161,11 +163,13 @@ class LevelOutcomes:
     """
 
     def __init__(self) -> None:
-        self._sums: dict[int, np.ndarray] = {}  # level -> [weight, sum cost ratio, sum gain ratio]
+        # (level, chain) -> [weight, sum cost ratio, sum gain ratio]
+        self._sums: dict[tuple[int, bool], np.ndarray] = {}
 
-    def ratios(self, level: int) -> tuple[float, float]:
-        """(cost ratio, gain ratio) of a level: measured / estimated, shrunk towards 1."""
-        w, cost, gain = self._sums.get(level, (0.0, 0.0, 0.0))
+    def ratios(self, level: int, chain: bool = False) -> tuple[float, float]:
+        """(cost ratio, gain ratio) of a level and shape: measured / estimated, shrunk
+        towards 1."""
+        w, cost, gain = self._sums.get((level, chain), (0.0, 0.0, 0.0))
         n = w + OUTCOME_PRIOR_STEPS
         return (cost + OUTCOME_PRIOR_STEPS) / n, (gain + OUTCOME_PRIOR_STEPS) / n
 
@@ -175,7 +179,7 @@ class LevelOutcomes:
         cost = min(hi, max(lo, seconds / max(decision.seconds, 1e-9)))
         # accepted drafts over expected, on 1 + each so a small expectation cannot explode it
         gain = min(hi, max(lo, (1.0 + accepted) / (1.0 + decision.gain)))
-        sums = self._sums.setdefault(decision.level, np.zeros(3))
+        sums = self._sums.setdefault((decision.level, decision.chain), np.zeros(3))
         sums *= OUTCOME_DECAY
         sums += (1.0, cost, gain)
 
@@ -199,6 +203,7 @@ class BudgetController:
         self.calibrations: dict[str, AcceptanceCalibration] = {}
         self.outcomes = LevelOutcomes()
         self.last_choice = 0
+        self.last_chain = False  # the last choice verifies chains (see ``choose``)
         self.last_decision: Decision | None = None
 
     def calibration(self, kind: str = "greedy") -> AcceptanceCalibration:
@@ -218,18 +223,26 @@ class BudgetController:
         return list(accumulate(p.tolist()))
 
     def choose(self, trees: list[DraftTree], fixed_tokens: int,
-               kinds: list[str] | None = None, context: float = 0) -> int:
-        """Per-request node count for this step.
+               kinds: list[str] | None = None, context: float = 0,
+               chains: list[DraftTree] | None = None) -> int:
+        """Per-request node count for this step (and, with ``chains``, the shape).
 
         Args:
-            trees: the proposed trees of the decoding requests (full budget).
+            trees: the proposed trees of the decoding requests (full budget, best first).
             fixed_tokens: tokens the step runs regardless (prefill chunks of other requests).
             kinds: per tree, its acceptance rule ("greedy" default, or "sampled").
             context: mean context length of the decoding requests (tokens).
+            chains: per tree, its first path (`DraftTree.first_path`); when given, every level is also
+                priced as chains of at most that many nodes, against the chain-step costs
+                (a tree's extra accepted tokens may not pay for its dearer pass), and
+                ``last_chain`` says which shape won. Without them every drafted step is
+                priced from the tree-step costs (``observe_step``'s default).
 
         Returns:
-            b: verify the first b draft nodes of every tree (fewer if a tree is smaller).
+            b: verify the first b draft nodes of every tree (fewer if a tree is smaller), or,
+            when ``last_chain``, the first b nodes of every chain.
         """
+        self.last_chain = False
         if not trees:
             return 0
         kinds = kinds or ["greedy"] * len(trees)
@@ -237,53 +250,70 @@ class BudgetController:
         # numpy's per-call overhead was most of the controller's time (~0.25 ms a step).
         gains = [self._gains(t, k) for t, k in zip(trees, kinds)]
         sizes = [t.num_drafts for t in trees]
+        # a prefix of up to this many nodes is a single path (verified as a chain)
+        straight = [t.leading_chain() for t in trees]
+        shapes = [(False, gains, sizes)]  # (chain, gains, sizes)
+        if chains is not None:
+            shapes.append((True, [self._gains(c, k) for c, k in zip(chains, kinds)],
+                           [c.num_drafts for c in chains]))
         base_tokens = fixed_tokens + len(trees)
-        candidates = []  # (level, tokens, draft tokens, rate, (seconds, gain))
-        previous = -1
-        for b in self.levels:
-            used = [min(n, b) for n in sizes]
-            drafts = sum(used)
-            if drafts == previous:
-                break  # every tree is smaller than this level: nothing new to verify
-            previous = drafts
-            tokens = base_tokens + drafts
-            seconds = self.cost.estimate(tokens, context, drafts)
-            if seconds is None or (b == 0 and not self.cost.measured(tokens, context)):
-                self.last_choice, self.last_decision = 0, None  # plain decoding is measured
-                return 0                                        # first, in every context
-            gain = sum(g[u] for g, u in zip(gains, used))
-            cost_ratio, gain_ratio = self.outcomes.ratios(b) if b > 0 else (1.0, 1.0)
-            rate = (len(trees) + gain * gain_ratio) / (seconds * cost_ratio)
-            candidates.append((b, tokens, drafts, rate, (seconds, gain)))
+        candidates = []  # (level, chain, tokens, draft tokens, rate, (seconds, gain))
+        for chain, shape_gains, shape_sizes in shapes:
+            previous = -1
+            for b in self.levels:
+                used = [min(n, b) for n in shape_sizes]
+                drafts = sum(used)
+                if drafts == previous:
+                    break  # every tree is smaller than this level: nothing new to verify
+                previous = drafts
+                # a tree cut to a single path is verified (and priced) as a chain; without
+                # ``chains`` every drafted step is priced from one table (the trees')
+                tree = chains is None or (not chain and any(u > s for u, s in zip(used, straight)))
+                if chain and (b == 0 or not any(min(n, b) > s for n, s in zip(sizes, straight))):
+                    continue  # plain decoding, or this level's tree candidate is a chain too
+                tokens = base_tokens + drafts
+                seconds = self.cost.estimate(tokens, context, drafts, tree)
+                if seconds is None or (b == 0 and not self.cost.measured(tokens, context)):
+                    self.last_choice, self.last_decision = 0, None  # plain decoding is
+                    return 0                                        # measured first, always
+                gain = sum(g[u] for g, u in zip(shape_gains, used))
+                cost_ratio, gain_ratio = (self.outcomes.ratios(b, chain) if b > 0
+                                          else (1.0, 1.0))
+                rate = (len(trees) + gain * gain_ratio) / (seconds * cost_ratio)
+                candidates.append((b, chain, tokens, drafts, rate, (seconds, gain), tree))
         # Drafting must beat plain decoding by a margin: per-size step costs are noisy
         # (+-20% on a shared CPU), and a coin-flip win at best breaks even while paying for
         # the extra rows' proposer work, which the cost model does not see.
-        best = max(candidates, key=lambda c: c[3] if c[0] == 0 else c[3] / DRAFT_MARGIN)
-        choice = best[0]
+        best = max(candidates, key=lambda c: c[4] if c[0] == 0 else c[4] / DRAFT_MARGIN)
+        choice, chosen_chain = best[0], best[1]
         # Now and then re-measure a neighbouring size whose measurement is missing, old or
         # contradicted by a larger size: the next one down first (a smaller size is only
         # measured when chosen, so one slow early step, e.g. in a burst of arrivals, would
         # otherwise price it out for good), else the next one up (optimistic extrapolation
-        # needs a measurement to be corrected).
+        # needs a measurement to be corrected), else the other shape of the same level.
         if self.cost.steps % 8 == 0:
-            below = [c for c in candidates if c[0] < choice][-1:]
-            above = [c for c in candidates if c[0] > choice][:1]
-            for candidate in below + above:
-                level, tokens, drafts = candidate[:3]
-                if (self.cost.is_stale(tokens, context, drafts)
-                        or self.cost.is_clamped(tokens, context, drafts)):
+            same = [c for c in candidates if c[1] == chosen_chain]
+            below = [c for c in same if c[0] < choice][-1:]
+            above = [c for c in same if c[0] > choice][:1]
+            other = [c for c in candidates if c[1] != chosen_chain and c[0] == choice]
+            for candidate in below + above + other:
+                tokens, drafts, tree = candidate[2], candidate[3], candidate[6]
+                if (self.cost.is_stale(tokens, context, drafts, tree)
+                        or self.cost.is_clamped(tokens, context, drafts, tree)):
                     best = candidate
                     break
         level = best[0]
         self.last_choice = level
-        self.last_decision = Decision(level, *best[4]) if level > 0 else None
+        self.last_chain = bool(best[1]) and level > 0
+        self.last_decision = Decision(level, *best[5], self.last_chain) if level > 0 else None
         return level
 
     def observe_step(self, num_tokens: int, seconds: float, context: float = 0,
-                     drafts: int = 0, work: float = 0.0) -> None:
-        """One engine step: tokens run (``drafts`` of them draft tokens), seconds, context,
-        and the drafter's own part of the seconds (see `StepCostModel.observe`)."""
-        self.cost.observe(num_tokens, seconds, context, drafts, work)
+                     drafts: int = 0, work: float = 0.0, tree: bool = True) -> None:
+        """One engine step: tokens run (``drafts`` of them draft tokens, ``tree``: verified
+        as trees, else as chains), seconds, context, and the drafter's own part of the
+        seconds (see `StepCostModel.observe`)."""
+        self.cost.observe(num_tokens, seconds, context, drafts, work, tree)
 
     def observe_outcome(self, decision: Decision, seconds: float, accepted: int) -> None:
         """The step that verified the drafts of ``decision`` (``last_decision`` of the choice
@@ -302,3 +332,4 @@ class BudgetController:
             if np.isscalar(accepted):
                 accepted = np.arange(1, int(accepted) + 1)
             self.calibration(kind).observe(depths, scores, accepted)
+

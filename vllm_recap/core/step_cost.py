@@ -129,6 +129,11 @@ class StepCostModel:
       Until extra costs are measured they are priced as plain tokens (optimistic, so drafts
       get tried and measured).
 
+    The extra cost is kept apart for steps that verify trees and steps whose drafts are all
+    chains: a tree runs its own attention path and acceptance (bf16 SmolLM2, 2-core EPYC: a
+    4-node tree pass cost ~13% more than a 4-token chain pass), so the controller can weigh a
+    tree against the chain it contains (:meth:`BudgetController.choose`).
+
     Args:
         ema: weight of a new measurement in the per-size moving average.
         stale_after: a size measured this many steps ago is due for re-measurement.
@@ -138,7 +143,8 @@ class StepCostModel:
         self.ema = ema
         self.stale_after = stale_after
         self.plain = _CostTable(origin=False)
-        self.extra = _CostTable(origin=True)
+        self.extra = _CostTable(origin=True)  # steps with a tree
+        self.extra_chain = _CostTable(origin=True)  # drafted steps without one
         self.steps = 0
 
     @staticmethod
@@ -153,14 +159,17 @@ class StepCostModel:
         """0 for none (prefill-only steps), else round(log2(context)): 64, 128, ... 4096."""
         return 0 if context < 1 else int(round(math.log2(max(context, 64.0))))
 
-    def _table(self, drafts: int) -> tuple[_CostTable, int]:
-        return (self.extra, drafts) if drafts > 0 else (self.plain, 0)
+    def _table(self, drafts: int, tree: bool = True) -> tuple[_CostTable, int]:
+        if drafts <= 0:
+            return self.plain, 0
+        return (self.extra if tree else self.extra_chain), drafts
 
     def observe(self, num_tokens: int, seconds: float, context: float = 0,
-                drafts: int = 0, work: float = 0.0) -> None:
-        """Records one step that ran ``num_tokens`` tokens, ``drafts`` of them draft tokens,
-        at mean decode ``context``, in ``seconds``, ``work`` of which was the drafter's own
-        (rows, memory updates, proposals).
+                drafts: int = 0, work: float = 0.0, tree: bool = True) -> None:
+        """Records one step that ran ``num_tokens`` tokens, ``drafts`` of them draft tokens
+        (``tree``: some request verified a tree, else all drafts were chains), at mean decode
+        ``context``, in ``seconds``, ``work`` of which was the drafter's own (rows, memory
+        updates, proposals).
 
         A step without drafts is recorded without the drafter's work: not drafting means
         idling (the driver then skips that work), so that is what plain decoding costs. At
@@ -178,41 +187,47 @@ class StepCostModel:
             if plain is None:
                 return  # nothing to take the extra cost from yet
             seconds -= plain
-        table, size = self._table(drafts)
+        stale = self.is_stale(num_tokens, context, drafts, tree)
+        clamped = self.is_clamped(num_tokens, context, drafts, tree)
+        table, size = self._table(drafts, tree)
         table.observe((ctx, self.bucket(size if drafts else num_tokens)), seconds, self.steps,
-                      self.ema, self.is_stale(num_tokens, context, drafts),
-                      self.is_clamped(num_tokens, context, drafts))
+                      self.ema, stale, clamped)
 
-    def estimate(self, num_tokens: int, context: float = 0, drafts: int = 0) -> float | None:
+    def estimate(self, num_tokens: int, context: float = 0, drafts: int = 0,
+                 tree: bool = True) -> float | None:
         """Expected seconds for a step of ``num_tokens`` tokens, ``drafts`` of them draft
-        tokens (None before any plain measurement)."""
+        tokens verified as trees (``tree``) or chains (None before any plain measurement)."""
         ctx = self.context_bucket(context)
         base = self.plain.estimate(ctx, self.bucket(num_tokens - drafts))
         if base is None or drafts <= 0:
             return base
-        extra = self.extra.estimate(ctx, self.bucket(drafts))
+        extra = self._table(drafts, tree)[0].estimate(ctx, self.bucket(drafts))
         if extra is None:  # never measured: priced as plain tokens
             return self.plain.estimate(ctx, self.bucket(num_tokens))
         return base + extra
 
-    def _key(self, num_tokens: int, context: float, drafts: int) -> tuple[_CostTable, tuple]:
-        table, size = self._table(drafts)
+    def _key(self, num_tokens: int, context: float, drafts: int,
+             tree: bool = True) -> tuple[_CostTable, tuple]:
+        table, size = self._table(drafts, tree)
         return table, (self.context_bucket(context), self.bucket(size if drafts else num_tokens))
 
-    def measured(self, num_tokens: int, context: float = 0, drafts: int = 0) -> bool:
+    def measured(self, num_tokens: int, context: float = 0, drafts: int = 0,
+                 tree: bool = True) -> bool:
         """True if this size has its own measurement in this context bucket."""
-        table, key = self._key(num_tokens, context, drafts)
+        table, key = self._key(num_tokens, context, drafts, tree)
         return key in table.mean
 
-    def is_clamped(self, num_tokens: int, context: float = 0, drafts: int = 0) -> bool:
+    def is_clamped(self, num_tokens: int, context: float = 0, drafts: int = 0,
+                   tree: bool = True) -> bool:
         """True if this size's own average is above its estimate (a larger size measured
         cheaper): one of the two measurements is off, and re-measuring this one settles it."""
-        table, key = self._key(num_tokens, context, drafts)
+        table, key = self._key(num_tokens, context, drafts, tree)
         own = table.mean.get(key)
         return own is not None and own > 1.05 * table.estimate(*key) + 1e-9
 
-    def is_stale(self, num_tokens: int, context: float = 0, drafts: int = 0) -> bool:
+    def is_stale(self, num_tokens: int, context: float = 0, drafts: int = 0,
+                 tree: bool = True) -> bool:
         """True if this size was never measured here or not for ``stale_after`` steps."""
-        table, key = self._key(num_tokens, context, drafts)
+        table, key = self._key(num_tokens, context, drafts, tree)
         last = table.last.get(key)
         return last is None or self.steps - last > self.stale_after

@@ -148,6 +148,25 @@ class DraftTree:
         return DraftTree(self.tokens[order], parents, self.scores[order], chain_len,
                          self.depths[order], None if self.sources is None else self.sources[order])
 
+    def leading_chain(self) -> int:
+        """How many draft nodes a prefix of this layout may keep and still be one path."""
+        parents = self.parents.tolist()
+        k = 1
+        while k < len(parents) and parents[k] == k - 1:
+            k += 1
+        return k - 1
+
+    def first_path(self) -> DraftTree:
+        """The path from the root through each node's first child in layout order (of a
+        best-first layout: its best chain), as the first path of `depth_first` lays it out.
+
+        Deterministic: every tensor-parallel rank derives the same path from the same tree.
+        """
+        laid = self.depth_first()
+        n = 1 + laid.leading_chain()
+        return DraftTree(laid.tokens[:n], laid.parents[:n], laid.scores[:n], n - 1,
+                         laid.depths[:n], None if laid.sources is None else laid.sources[:n])
+
     def is_chain(self) -> bool:
         """True if every node's parent is the node before it (a single path)."""
         return bool(np.all(self.parents[1:] == np.arange(self.num_nodes - 1)))

@@ -33,18 +33,19 @@ class StepClock:
         self._end = 0.0
         self._tokens = 0
         self._drafts = 0
+        self._tree = False
         self._context = 0.0
         self._excluded = 0.0
         self._work = 0.0
         self._shared = False
 
-    def step_started(self, num_tokens: int, context: float,
-                     drafts: int = 0) -> tuple[int, float, float, int, float] | None:
+    def step_started(self, num_tokens: int, context: float, drafts: int = 0,
+                     tree: bool = False) -> tuple[int, float, float, int, float, bool] | None:
         """Marks the start of a step that runs ``num_tokens`` tokens, ``drafts`` of them draft
-        tokens, at mean ``context``.
+        tokens, at mean ``context``; ``tree``: some request verifies a tree.
 
         Returns:
-            (tokens, seconds, context, drafts, work) of the previous step -- ``work`` is
+            (tokens, seconds, context, drafts, work, tree) of the previous step -- ``work`` is
             RECAP's own part of its seconds (seeding excluded from both) -- or None when it is
             unknown (first step, the engine was idle before this one, or prompt rows rode
             along with its LM-head call).
@@ -53,9 +54,9 @@ class StepClock:
         previous = None
         if self._begin is not None and now - self._end < IDLE_GAP_S and not self._shared:
             previous = (self._tokens, now - self._begin - self._excluded, self._context,
-                        self._drafts, self._work)
+                        self._drafts, self._work, self._tree)
         self._begin, self._tokens, self._excluded, self._work = now, num_tokens, 0.0, 0.0
-        self._drafts, self._shared = drafts, False
+        self._drafts, self._tree, self._shared = drafts, tree, False
         self._context = context
         return previous
 

@@ -195,7 +195,7 @@ class StepDriver:
             ctx.seeding = self.seeder.plan(plan, batch.token_ids_cpu, self.records)
             ctx.timing.seeding += time.perf_counter() - t1  # inside work (from t0)
         step = self.clock.step_started(int(num_sched.sum()), decode_context(plan),
-                                       int(plan.num_drafts.sum()))
+                                       int(plan.num_drafts.sum()), bool(plan.trees))
         if step is not None:
             self.budget.observe_step(*step)
             if self._outcome is not None:
@@ -339,7 +339,7 @@ class StepDriver:
         trees = {i: self._draft(runner, ctx.plan.req_ids[i], min(cap, rooms[i]),
                                 rooms[i] if batch_cap is None else min(rooms[i], batch_cap))
                  for i in decoding}
-        b = cap
+        b, chain = cap, False
         if self.adaptive and trees:
             # The budget verifies a prefix of each tree: lay the best nodes first, so a prefix
             # of b nodes is the best b-node subtree (the builders' layout puts the whole best
@@ -348,8 +348,14 @@ class StepDriver:
             trees = {i: tree.best_first() for i, tree in trees.items()}
             kinds = [self._kind(runner, ctx.plan.req_ids[i]) for i in trees]
             context = float(np.mean(runner.input_batch.num_tokens_no_spec[list(trees)]))
+            # Each level is priced as trees and as the trees' best chains: a chain skips the
+            # tree attention path and acceptance, and on a 2-core CPU the off-chain nodes of
+            # a small tree accepted too little to pay for that (Spec-Bench, bf16: a fixed
+            # 4-node tree 1.69 tokens per pass at 33.8 ms, chains 1.67 at 30.0 ms).
+            paths = {i: tree.first_path() for i, tree in trees.items()}
             b = self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan), kinds,
-                                   context)
+                                   context, chains=list(paths.values()))
+            chain = self.budget.last_chain
             self._decision = self.budget.last_decision
         for i, tree in trees.items():
             # Every rank records the same full tree; only the count sent to the scheduler
@@ -359,7 +365,7 @@ class StepDriver:
             # compaction).
             record = self.records.get(ctx.plan.req_ids[i])
             record.proposal = tree
-            record.laid = tree.truncate(1 + b).depth_first()
+            record.laid = (paths[i] if chain else tree).truncate(1 + b).depth_first()
             drafts[i] = record.laid.draft_tokens.tolist()
         self.metrics.maybe_log(len(self.records), self.drafter.acceptance_snapshot)
         self._note_idle()

@@ -59,27 +59,35 @@ def build_plan(req_ids: Sequence[str], num_scheduled: np.ndarray, query_starts: 
 
 
 def as_scheduled(tree: DraftTree, laid: DraftTree | None, drafts: Sequence[int]) -> DraftTree:
-    """The proposal as its scheduled drafts were sent: the first n nodes of ``tree`` (n =
-    drafts scheduled) in depth-first order (`DraftTree.depth_first`), which is what the
-    proposer sends; ``tree`` itself when the drafts are not that (``build_plan`` then checks
-    them against its prefix, else verifies them as a chain).
+    """The proposal as its scheduled drafts were sent.
 
-    Every tensor-parallel rank records the same full tree but sends its own count: the
-    subtree is derived from what was scheduled (``laid``, this rank's own, only saves that
-    work when the counts agree).
+    The proposer sends the first n nodes of ``tree`` (n = drafts scheduled) in depth-first
+    order (`DraftTree.depth_first`), or the first n nodes of its first path
+    (`DraftTree.first_path`: the budget found the chain cheaper). The first of the two whose
+    tokens are the drafts is the layout, so a chain whose tokens happen to equal the subtree's
+    is verified as the subtree (exact either way); ``tree`` itself when neither is
+    (``build_plan`` then checks the drafts against its prefix, else verifies them as a chain).
+
+    Every tensor-parallel rank records the same full tree but sends its own count and shape:
+    the layout is derived from what was scheduled alone (``laid``, this rank's own, only saves
+    that work when it is the subtree of that count).
 
     Args:
         tree: the full proposal.
-        laid: the laid-out subtree this rank sent, if any.
+        laid: the laid-out drafts this rank sent, if any.
         drafts: [n] the draft tokens vLLM scheduled.
     """
     n = len(drafts)
     if n < 2:
         return tree
-    if laid is None or laid.num_drafts != n:
-        laid = tree.truncate(1 + n).depth_first()
-    if laid.num_drafts == n and np.array_equal(laid.draft_tokens, np.asarray(drafts, np.int64)):
-        return laid
+    want = np.asarray(drafts, np.int64)
+    ours = laid is not None and laid.num_drafts == n
+    subtree = laid if ours and not laid.is_chain() else tree.truncate(1 + n).depth_first()
+    if subtree.num_drafts == n and np.array_equal(subtree.draft_tokens, want):
+        return subtree
+    path = laid if ours and laid.is_chain() else tree.first_path().truncate(1 + n)
+    if path.num_drafts == n and np.array_equal(path.draft_tokens, want):
+        return path
     return tree
 
 
