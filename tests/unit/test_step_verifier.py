@@ -238,3 +238,31 @@ def test_wide_rows_top_k_and_argmax_are_exact(vocab, dtype):
     assert row_argmax(logits)[1] == 7  # the lowest id among equal maxima, as vLLM's greedy
     assert row_argmax(logits)[3] == 9000 and ids[3, 0] == 9000
     assert row_argmax(logits)[4] == 3
+
+
+def test_plain_greedy_walk_matches_the_vectorised_walk_on_random_forests():
+    """Plain greedy trees are walked one by one in Python (cheaper per step); every other
+    request goes through the vectorised walk. Both must accept the same nodes and commit the
+    same token, duplicate sibling tokens included (the lowest index is followed)."""
+    from vllm_recap.vllm.tree_sampling import TreeBatch
+    from vllm_recap.vllm.tree_verify import _walk_plain
+    from vllm_recap.vllm.tree_walk import walk_targets
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        sizes = rng.integers(3, 12, size=rng.integers(1, 4))
+        parents = [np.r_[-1, [rng.integers(0, i) for i in range(1, n)]] for n in sizes]
+        tokens = rng.integers(0, 3, size=int(sizes.sum()))  # few ids: many duplicates
+        targets = rng.integers(0, 3, size=int(sizes.sum()))
+        starts = np.r_[0, np.cumsum(sizes)]
+        plan = SimpleNamespace(trees=[SimpleNamespace(num_nodes=int(n), parents=p)
+                                      for n, p in zip(sizes, parents)])
+        batch = TreeBatch.from_parents(
+            np.repeat(np.arange(len(sizes)), sizes),
+            np.concatenate([np.where(p >= 0, p + s, -1) for p, s in zip(parents, starts)]),
+            tokens)
+        walk = walk_targets(batch, targets)
+        ours = _walk_plain(plan, tokens, targets)
+        assert ours.tokens == walk.output_tokens(batch)
+        assert [a.tolist() for a in ours.nodes] == [
+            (a - s).tolist() for a, s in zip(walk.accepted, starts)]

@@ -20,7 +20,7 @@ import torch
 
 from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.tree_sampling import RequestSampling, TreeBatch, process_tree_logits
-from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees, walk_targets
+from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees
 from vllm_recap.vllm.verifier import row_argmax, topk_rows
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID for rejected positions
@@ -31,9 +31,12 @@ class TreeVerification:
     """The walked trees of one step, ready to be written into vLLM's output.
 
     Attributes:
-        batch: all tree nodes of the step (``batch.req`` = batch row).
-        offsets: per tree, the global index of its root in ``batch``.
-        walk: accepted nodes and committed token per tree.
+        nodes: per tree, its accepted node indices within the tree (depth order, root
+            excluded).
+        tokens: per tree, the accepted tokens then the committed one, as vLLM appends them.
+        batch: all tree nodes of the step (``batch.req`` = batch row); None for plain greedy
+            trees walked one by one (:func:`_walk_plain`).
+        walk: accepted nodes (global) and committed token per tree (None with ``batch``).
         raw: [N, V] the nodes' logits rows (copies), kept only if logprobs may be written.
         processed: [N, V] float32 processed rows (same condition).
         memory_rows: (logits rows [N], ids [N, K], probs [N, K]): top-K rows of the nodes'
@@ -41,17 +44,24 @@ class TreeVerification:
             (penalties, temperature, masks); None when every tree is plain greedy.
     """
 
-    batch: TreeBatch
-    offsets: list[int]
-    walk: TreeWalk
-    raw: torch.Tensor | None
-    processed: torch.Tensor | None
+    nodes: list[np.ndarray]
+    tokens: list[list[int]]
+    batch: TreeBatch | None = None
+    walk: TreeWalk | None = None
+    raw: torch.Tensor | None = None
+    processed: torch.Tensor | None = None
     memory_rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def of_walk(cls, batch: TreeBatch, offsets: list[int], walk: TreeWalk,
+                **rows) -> TreeVerification:
+        """From a walk over the step's whole TreeBatch (``offsets``: each tree's root)."""
+        return cls([a - off for off, a in zip(offsets, walk.accepted)],
+                   walk.output_tokens(batch), batch, walk, **rows)
 
     def accepted(self, plan: StepPlan) -> dict[int, np.ndarray]:
         """Batch row -> accepted node indices within its tree (depth order, root excluded)."""
-        return {t.batch_index: nodes - off for t, off, nodes
-                in zip(plan.trees, self.offsets, self.walk.accepted)}
+        return {t.batch_index: nodes for t, nodes in zip(plan.trees, self.nodes)}
 
 
 def request_sampling(runner, req_id: str) -> RequestSampling:
@@ -89,7 +99,6 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         requests[b] = request_sampling(runner, plan.req_ids[b])
         total += n
     flat = np.concatenate(rows)
-    batch = TreeBatch.from_parents(np.concatenate(req), np.concatenate(parent), node_tokens[flat])
     if not keep_rows:
         # Greedy-equivalent rows (top_k = 1) are walked by argmax: temperature and top-k/p do
         # not move the argmax, so skip them (they sort the vocabulary) unless logprobs of the
@@ -101,7 +110,8 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         # [N, V] rows and no softmax.
         targets = (argmax[flat] if argmax is not None
                    else row_argmax(logits[torch.from_numpy(flat).to(logits.device)]))
-        return TreeVerification(batch, offsets, walk_targets(batch, targets), None, None)
+        return _walk_plain(plan, node_tokens[flat], targets)
+    batch = TreeBatch.from_parents(np.concatenate(req), np.concatenate(parent), node_tokens[flat])
     raw = logits[torch.from_numpy(flat).to(logits.device)]
     processed = process_tree_logits(raw, batch, requests)
     walk = verify_trees(processed, batch, requests)
@@ -109,8 +119,42 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
     # Qwen2.5-VL's repetition penalty 1.05 a seen token's logit of ~20 drops by ~1, which
     # often moves the argmax away from the raw row's top-1 that a raw row would draft.
     memory = (flat, *topk_rows(processed, top_k)) if top_k > 0 else None
-    return TreeVerification(batch, offsets, walk, raw if keep_rows else None,
-                            processed if keep_rows else None, memory)
+    return TreeVerification.of_walk(batch, offsets, walk, raw=raw if keep_rows else None,
+                                    processed=processed if keep_rows else None,
+                                    memory_rows=memory)
+
+
+def _walk_plain(plan: StepPlan, tokens: np.ndarray, targets: np.ndarray) -> TreeVerification:
+    """Greedy walks of the step's trees by the argmax of each node's row, tree by tree.
+
+    The same rule as :func:`~vllm_recap.vllm.tree_walk.walk_targets` (follow the child whose
+    token is the current node's target, the lowest index among duplicates), in plain Python
+    over each tree's few nodes: the vectorised walk over a whole TreeBatch costs ~0.2 ms of
+    numpy calls a step, most of a batch-1 step's acceptance work.
+
+    Args:
+        plan: the step layout.
+        tokens: [N] the tree nodes' tokens, trees in ``plan.trees`` order.
+        targets: [N] each node's argmax, same order.
+    """
+    tok, tgt = tokens.tolist(), targets.tolist()
+    nodes, out, start = [], [], 0
+    for tree in plan.trees:
+        n = tree.num_nodes
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i, p in enumerate(tree.parents.tolist()[1:], 1):
+            children[p].append(i)
+        walked, v = [], 0
+        while True:
+            want = tgt[start + v]
+            v = next((c for c in children[v] if tok[start + c] == want), -1)
+            if v < 0:
+                break
+            walked.append(v)
+        nodes.append(np.array(walked, np.int64))
+        out.append([tok[start + i] for i in walked] + [int(want)])
+        start += n
+    return TreeVerification(nodes, out)
 
 
 def write(ver: TreeVerification, plan: StepPlan, output, logprobs_mode: str) -> None:
@@ -126,7 +170,7 @@ def write(ver: TreeVerification, plan: StepPlan, output, logprobs_mode: str) -> 
     """
     sampled = output.sampled_token_ids
     width = sampled.shape[1]
-    tokens = ver.walk.output_tokens(ver.batch)
+    tokens = ver.tokens
     for tree, path in zip(plan.trees, tokens):
         row = torch.full((width,), PLACEHOLDER, dtype=sampled.dtype)
         row[:len(path)] = torch.tensor(path, dtype=sampled.dtype)
