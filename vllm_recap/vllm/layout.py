@@ -82,9 +82,12 @@ def as_scheduled(tree: DraftTree, laid: DraftTree | None, drafts: Sequence[int])
         return tree
     want = np.asarray(drafts, np.int64)
     ours = laid is not None and laid.num_drafts == n
-    subtree = laid if ours and not laid.is_chain() else tree.truncate(1 + n).depth_first()
-    if subtree.num_drafts == n and np.array_equal(subtree.draft_tokens, want):
-        return subtree
+    # the subtree holds the tree's first n drafts in another order: unless the drafts are
+    # those tokens, it cannot be what was sent (skips laying it out for most chains)
+    if sorted(want.tolist()) == sorted(tree.tokens[1:1 + n].tolist()):
+        subtree = laid if ours and not laid.is_chain() else tree.truncate(1 + n).depth_first()
+        if subtree.num_drafts == n and np.array_equal(subtree.draft_tokens, want):
+            return subtree
     path = laid if ours and laid.is_chain() else tree.first_path().truncate(1 + n)
     if path.num_drafts == n and np.array_equal(path.draft_tokens, want):
         return path
