@@ -289,8 +289,10 @@ def test_plain_decoding_is_priced_as_idling_without_the_drafters_work() -> None:
     for _ in range(4):
         ctl.observe_step(4, 0.029, work=0.004)       # 4 decodes, drafter busy, no drafts
         ctl.observe_step(8, 0.030, drafts=4)         # 4 decodes + 1 draft each
+    ctl.observe_step(4, 0.029, work=0.004)  # off the every-8th-step re-measuring of sizes
     assert ctl.cost.estimate(4) == pytest.approx(0.025)
-    # against 29 ms one draft each (4.6 tokens in 30 ms) would win; against 25 ms it loses
+    # against 29 ms one draft each (4.6 tokens in 30 ms) would win; against 25 ms it loses,
+    # and so does one draft for one request (4.15 tokens in 26.25 ms)
     assert ctl.choose([tree] * 4, fixed_tokens=0) == 0
 
 
@@ -302,15 +304,16 @@ def test_a_level_that_disappoints_its_estimates_is_chosen_less() -> None:
     ctl = _controller_after(costs, accept=0.95)
     trees = [chain_tree(16, 0.95)] * 4
     first = ctl.choose(trees, fixed_tokens=0)
-    assert first >= 8 and ctl.last_decision.level == first
+    level = ctl.last_decision.level  # the batch's draft nodes
+    assert first >= 8 and level == sum(ctl.last_counts) and max(ctl.last_counts) == first
     for _ in range(20):  # that level's steps: 1.5x dearer, half the accepted drafts
         d = ctl.last_decision
-        if d is None or d.level != first:
+        if d is None or d.level != level:
             break
         ctl.observe_outcome(d, d.seconds * 1.5, int(d.gain / 2))
         ctl.choose(trees, fixed_tokens=0)
     assert ctl.choose(trees, fixed_tokens=0) < first
-    cost_ratio, gain_ratio = ctl.outcomes.ratios(first)
+    cost_ratio, gain_ratio = ctl.outcomes.ratios(level)
     assert cost_ratio > 1.05 and gain_ratio < 0.95
     assert ctl.outcomes.ratios(1) == (1.0, 1.0)  # never chosen: no correction
 
@@ -380,7 +383,7 @@ def test_the_budget_sends_chains_where_trees_do_not_pay(tree_overhead, sibling_s
     ctl = BudgetController(16, DISCOUNTS)
     shapes = []
     for step in range(800):
-        b = ctl.choose([full], fixed_tokens=0, chains=[chain])
+        b = ctl.choose([full], fixed_tokens=0, chains=True)
         decision = ctl.last_decision
         laid = (chain if ctl.last_chain else full).truncate(1 + b).depth_first()
         is_tree = not laid.is_chain()
@@ -402,3 +405,15 @@ def test_first_path_follows_the_first_children():
     path = tree.first_path()
     assert path.tokens.tolist() == [0, 1, 3, 5] and path.is_chain() and path.chain_len == 3
     assert tree.leading_chain() == 1 and path.leading_chain() == 3
+
+
+def test_a_batch_drafts_for_its_confident_requests_only():
+    """Under load each draft node costs a step's share; the nodes go to the requests whose
+    nodes are likeliest accepted, not the same count to every request."""
+    costs = {n: 0.025 + 0.002 * max(0, n - 4) for n in range(1, 80)}
+    ctl = _controller_after(costs, accept=0.95)
+    confident, poor = chain_tree(16, 0.95), chain_tree(16, 0.05)
+    b = ctl.choose([poor, confident, poor, poor], fixed_tokens=0)
+    assert b > 0 and ctl.last_counts[1] == b
+    assert ctl.last_counts[0] == ctl.last_counts[2] == ctl.last_counts[3] == 0
+    assert ctl.last_decision.level == b

@@ -183,8 +183,8 @@ def test_tensor_parallel_ranks_with_different_clocks_lay_out_the_same_trees():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(n_ranks=2, config=config)
     rank0, rank1 = engine.drivers
-    rank0.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 3  # rank 0: small trees pay
-    rank1.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 1  # rank 1: its clock says no
+    rank0.budget.choose = _choosing(rank0.budget, 3, False)  # rank 0: small trees pay
+    rank1.budget.choose = _choosing(rank1.budget, 1, False)  # rank 1: its clock says no
     _add_all(engine, 30)
     out = engine.run()  # the engine asserts every step that both ranks commit the same
     assert out == _reference(engine.target, 30)
@@ -192,11 +192,14 @@ def test_tensor_parallel_ranks_with_different_clocks_lay_out_the_same_trees():
     assert rank0.stats["tree_requests"] == rank1.stats["tree_requests"] > 0
 
 
-def _choosing(budget, level: int, chain: bool):
-    """A stand-in for ``BudgetController.choose`` that always picks ``level`` and shape."""
-    def choose(trees, prefill, kinds=None, context=0, chains=None):
-        budget.last_chain = chain and chains is not None and level > 0
-        return level
+def _choosing(budget, level, chain: bool = False):
+    """A stand-in for ``BudgetController.choose`` that gives every request ``level`` nodes
+    (an int, or a callable returning it) of the shape asked for."""
+    def choose(trees, prefill, kinds=None, context=0, chains=False):
+        b = level() if callable(level) else level
+        budget.last_chain = chain and chains and b > 0
+        budget.last_counts = [b] * len(trees)
+        return b
     return choose
 
 
@@ -239,7 +242,7 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     engine = _engine(config=config)
     driver = engine.drivers[0]
     choice = {"b": 0}
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: choice["b"]
+    driver.budget.choose = _choosing(driver.budget, lambda: choice["b"])
     _add_all(engine, 90)
     for _ in range(IDLE_AFTER + 2 * PROBE_EVERY):
         engine.step()
@@ -260,7 +263,7 @@ def test_idle_probes_back_off_while_they_find_nothing():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config, max_model_len=2048)
     driver = engine.drivers[0]
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 0
+    driver.budget.choose = _choosing(driver.budget, 0, False)
     _add_all(engine, 600)
     steps = 500
     for _ in range(steps):
@@ -307,7 +310,7 @@ def test_batch_node_budget_bounds_continuations_too():
                          budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)
     driver = engine.drivers[0]
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 12  # drafting pays
+    driver.budget.choose = _choosing(driver.budget, 12, False)  # drafting pays
     per_step = []
     original = driver.propose
 
@@ -327,7 +330,7 @@ def test_requests_finishing_in_an_idle_step_are_freed_at_once():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)
     driver = engine.drivers[0]
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 0
+    driver.budget.choose = _choosing(driver.budget, 0, False)
     _add_all(engine, 30)
     engine.run()
     assert driver.stats["idle_steps"] > 10
@@ -405,7 +408,7 @@ def test_an_arriving_request_resets_the_probe_back_off():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config, max_model_len=2048)
     driver = engine.drivers[0]
-    driver.budget.choose = lambda trees, prefill, kinds=None, context=0, chains=None: 0
+    driver.budget.choose = _choosing(driver.budget, 0, False)
     first, *others = list(PROMPTS.items())
     engine.add(first[0], first[1], 600)
     for _ in range(400):

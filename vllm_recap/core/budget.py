@@ -193,7 +193,7 @@ class BudgetController:
     """
 
     def __init__(self, max_budget: int, depth_discounts: tuple[float, ...]) -> None:
-        self.levels = sorted({b for b in LEVELS if b <= max_budget} | {max_budget})
+        self.max_budget = max_budget
         self.cost = StepCostModel()
         self._discounts = depth_discounts
         # One calibration per acceptance rule: a sampled request goes deeper with the target
@@ -204,6 +204,7 @@ class BudgetController:
         self.outcomes = LevelOutcomes()
         self.last_choice = 0
         self.last_chain = False  # the last choice verifies chains (see ``choose``)
+        self.last_counts: list[int] = []  # per request, the nodes of the last choice
         self.last_decision: Decision | None = None
 
     def calibration(self, kind: str = "greedy") -> AcceptanceCalibration:
@@ -224,63 +225,71 @@ class BudgetController:
 
     def choose(self, trees: list[DraftTree], fixed_tokens: int,
                kinds: list[str] | None = None, context: float = 0,
-               chains: list[DraftTree] | None = None) -> int:
-        """Per-request node count for this step (and, with ``chains``, the shape).
+               chains: bool = False) -> int:
+        """Draft nodes per request for this step (and, with ``chains``, the shape).
+
+        The step verifies D draft nodes in all, D from ``LEVELS``; they go to the requests
+        whose next nodes are likeliest accepted (each request verifies a prefix of its
+        best-first tree, so D is split by merging the requests' node probabilities, best
+        first): under load one request's confident continuation gets nodes that another's
+        guesses would waste, where one count for every request drafted both or neither.
 
         Args:
             trees: the proposed trees of the decoding requests (full budget, best first).
             fixed_tokens: tokens the step runs regardless (prefill chunks of other requests).
             kinds: per tree, its acceptance rule ("greedy" default, or "sampled").
             context: mean context length of the decoding requests (tokens).
-            chains: per tree, its first path (`DraftTree.first_path`); when given, every level is also
-                priced as chains of at most that many nodes, against the chain-step costs
-                (a tree's extra accepted tokens may not pay for its dearer pass), and
-                ``last_chain`` says which shape won. Without them every drafted step is
-                priced from the tree-step costs (``observe_step``'s default).
+            chains: also price every D as each tree's first path (`DraftTree.first_path`),
+                against the chain-step costs (a tree's extra accepted tokens may not pay
+                for its dearer pass); ``last_chain`` then says which shape won. Without it
+                every drafted step is priced from the tree-step costs (``observe_step``'s
+                default).
 
         Returns:
-            b: verify the first b draft nodes of every tree (fewer if a tree is smaller), or,
-            when ``last_chain``, the first b nodes of every chain.
+            The most nodes any request verifies; ``last_counts`` holds each request's (its
+            tree's first nodes or, when ``last_chain``, its first path's).
         """
         self.last_chain = False
+        self.last_counts = [0] * len(trees)
         if not trees:
             return 0
         kinds = kinds or ["greedy"] * len(trees)
-        # Python lists and floats throughout: ~15 levels a step, each on a few numbers, where
-        # numpy's per-call overhead was most of the controller's time (~0.25 ms a step).
-        gains = [self._gains(t, k) for t, k in zip(trees, kinds)]
-        sizes = [t.num_drafts for t in trees]
+        # Python lists and floats throughout: a few dozen numbers a step, where numpy's
+        # per-call overhead was most of the controller's time (~0.25 ms a step).
+        probs = [self.calibration(k).node_probabilities(t.depths, t.parents, t.scores).tolist()
+                 for t, k in zip(trees, kinds)]
         # a prefix of up to this many nodes is a single path (verified as a chain)
         straight = [t.leading_chain() for t in trees]
-        shapes = [(False, gains, sizes)]  # (chain, gains, sizes)
-        if chains is not None:
-            shapes.append((True, [self._gains(c, k) for c, k in zip(chains, kinds)],
-                           [c.num_drafts for c in chains]))
+        cap = self.max_budget + 1
+        shapes = [(False, [p[1:cap] for p in probs], straight)]  # (chain, node probs, straight)
+        if chains:
+            paths = [_first_path(t.parents.tolist()) for t in trees]
+            shapes.append((True, [[p[v] for v in path[:self.max_budget]]
+                                  for p, path in zip(probs, paths)],
+                           [len(path) for path in paths]))
         base_tokens = fixed_tokens + len(trees)
-        candidates = []  # (level, chain, tokens, draft tokens, rate, (seconds, gain))
-        for chain, shape_gains, shape_sizes in shapes:
-            previous = -1
-            for b in self.levels:
-                used = [min(n, b) for n in shape_sizes]
-                drafts = sum(used)
-                if drafts == previous:
-                    break  # every tree is smaller than this level: nothing new to verify
-                previous = drafts
-                # a tree cut to a single path is verified (and priced) as a chain; without
-                # ``chains`` every drafted step is priced from one table (the trees')
-                tree = chains is None or (not chain and any(u > s for u, s in zip(used, straight)))
-                if chain and (b == 0 or not any(min(n, b) > s for n, s in zip(sizes, straight))):
-                    continue  # plain decoding, or this level's tree candidate is a chain too
-                tokens = base_tokens + drafts
-                seconds = self.cost.estimate(tokens, context, drafts, tree)
-                if seconds is None or (b == 0 and not self.cost.measured(tokens, context)):
+        # (D, chain, tokens, tree, rate, (seconds, gain), order)
+        candidates = []
+        tree_shape: list[bool] = []  # per D, whether the tree candidate verifies a tree
+        for chain, node_probs, shape_straight in shapes:
+            order, gains, is_tree = _merge(node_probs, shape_straight)
+            if not chain:
+                tree_shape = is_tree
+            total = len(order)
+            for level in sorted({d for d in LEVELS if d < total} | {total}):
+                if chain and (level == 0 or (level < len(tree_shape) and not tree_shape[level])):
+                    continue  # plain decoding, or the tree candidate of this D is this step
+                tree = not chains or is_tree[level]
+                tokens = base_tokens + level
+                seconds = self.cost.estimate(tokens, context, level, tree)
+                if seconds is None or (level == 0 and not self.cost.measured(tokens, context)):
                     self.last_choice, self.last_decision = 0, None  # plain decoding is
                     return 0                                        # measured first, always
-                gain = sum(g[u] for g, u in zip(shape_gains, used))
-                cost_ratio, gain_ratio = (self.outcomes.ratios(b, chain) if b > 0
+                cost_ratio, gain_ratio = (self.outcomes.ratios(level, chain) if level > 0
                                           else (1.0, 1.0))
-                rate = (len(trees) + gain * gain_ratio) / (seconds * cost_ratio)
-                candidates.append((b, chain, tokens, drafts, rate, (seconds, gain), tree))
+                rate = (len(trees) + gains[level] * gain_ratio) / (seconds * cost_ratio)
+                candidates.append((level, chain, tokens, tree, rate, (seconds, gains[level]),
+                                   order))
         # Drafting must beat plain decoding by a margin: per-size step costs are noisy
         # (+-20% on a shared CPU), and a coin-flip win at best breaks even while paying for
         # the extra rows' proposer work, which the cost model does not see.
@@ -290,23 +299,27 @@ class BudgetController:
         # contradicted by a larger size: the next one down first (a smaller size is only
         # measured when chosen, so one slow early step, e.g. in a burst of arrivals, would
         # otherwise price it out for good), else the next one up (optimistic extrapolation
-        # needs a measurement to be corrected), else the other shape of the same level.
+        # needs a measurement to be corrected), else the other shape of the same size.
         if self.cost.steps % 8 == 0:
             same = [c for c in candidates if c[1] == chosen_chain]
             below = [c for c in same if c[0] < choice][-1:]
             above = [c for c in same if c[0] > choice][:1]
             other = [c for c in candidates if c[1] != chosen_chain and c[0] == choice]
             for candidate in below + above + other:
-                tokens, drafts, tree = candidate[2], candidate[3], candidate[6]
-                if (self.cost.is_stale(tokens, context, drafts, tree)
-                        or self.cost.is_clamped(tokens, context, drafts, tree)):
+                level, tokens, tree = candidate[0], candidate[2], candidate[3]
+                if (self.cost.is_stale(tokens, context, level, tree)
+                        or self.cost.is_clamped(tokens, context, level, tree)):
                     best = candidate
                     break
         level = best[0]
-        self.last_choice = level
+        counts = [0] * len(trees)
+        for r in best[6][:level]:
+            counts[r] += 1
+        self.last_counts = counts
+        self.last_choice = max(counts)
         self.last_chain = bool(best[1]) and level > 0
         self.last_decision = Decision(level, *best[5], self.last_chain) if level > 0 else None
-        return level
+        return self.last_choice
 
     def observe_step(self, num_tokens: int, seconds: float, context: float = 0,
                      drafts: int = 0, work: float = 0.0, tree: bool = True) -> None:
@@ -333,3 +346,53 @@ class BudgetController:
                 accepted = np.arange(1, int(accepted) + 1)
             self.calibration(kind).observe(depths, scores, accepted)
 
+
+def _first_path(parents: list[int]) -> list[int]:
+    """Node indices of the path through each node's first child, root excluded (the nodes
+    of `DraftTree.first_path`)."""
+    first = [-1] * len(parents)
+    for i in range(len(parents) - 1, 0, -1):
+        first[parents[i]] = i
+    path, v = [], first[0]
+    while v > 0:
+        path.append(v)
+        v = first[v]
+    return path
+
+
+def _merge(node_probs: list[list[float]], straight: list[int]
+           ) -> tuple[list[int], list[float], list[bool]]:
+    """The batch's draft nodes in the order the controller adds them.
+
+    Each request verifies a prefix of its node list, so a request's nodes are ranked by the
+    running minimum of their probabilities (never above an earlier node's) and the lists
+    merged by that rank; ties go to the shallower node in its list, then the earlier request
+    (estimates clipped at 1 tie often, and a request's deeper nodes are the less certain).
+
+    Args:
+        node_probs: per request, its draft nodes' P(accepted) in layout order.
+        straight: per request, how many of its first nodes form a single path.
+
+    Returns:
+        order [D]: the request of each added node; gains [D + 1]: expected accepted nodes of
+        the first d added (gains[0] = 0); is_tree [D + 1]: whether the first d added make
+        some request's nodes more than a single path.
+    """
+    ranked = []
+    for r, probs in enumerate(node_probs):
+        low = 1.0
+        for j, p in enumerate(probs):
+            low = min(low, p)
+            ranked.append((-low, j, r, p))
+    ranked.sort()
+    order, gains, is_tree = [], [0.0], [False]
+    counts = [0] * len(node_probs)
+    total, tree = 0.0, False
+    for _, _, r, p in ranked:
+        order.append(r)
+        counts[r] += 1
+        total += p
+        tree = tree or counts[r] > straight[r]
+        gains.append(total)
+        is_tree.append(tree)
+    return order, gains, is_tree

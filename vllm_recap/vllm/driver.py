@@ -339,7 +339,7 @@ class StepDriver:
         trees = {i: self._draft(runner, ctx.plan.req_ids[i], min(cap, rooms[i]),
                                 rooms[i] if batch_cap is None else min(rooms[i], batch_cap))
                  for i in decoding}
-        b, chain = cap, False
+        counts, chain = {i: cap for i in trees}, False
         if self.adaptive and trees:
             # The budget verifies a prefix of each tree: lay the best nodes first, so a prefix
             # of b nodes is the best b-node subtree (the builders' layout puts the whole best
@@ -348,24 +348,26 @@ class StepDriver:
             trees = {i: tree.best_first() for i, tree in trees.items()}
             kinds = [self._kind(runner, ctx.plan.req_ids[i]) for i in trees]
             context = float(np.mean(runner.input_batch.num_tokens_no_spec[list(trees)]))
-            # Each level is priced as trees and as the trees' best chains: a chain skips the
-            # tree attention path and acceptance, and on a 2-core CPU the off-chain nodes of
-            # a small tree accepted too little to pay for that (Spec-Bench, bf16: a fixed
+            # The step's draft nodes go to the requests whose nodes are likeliest accepted,
+            # and each size is priced as trees and as the trees' best chains: a chain skips
+            # the tree attention path and acceptance, and on a 2-core CPU the off-chain nodes
+            # of a small tree accepted too little to pay for that (Spec-Bench, bf16: a fixed
             # 4-node tree 1.69 tokens per pass at 33.8 ms, chains 1.67 at 30.0 ms).
-            paths = {i: tree.first_path() for i, tree in trees.items()}
-            b = self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan), kinds,
-                                   context, chains=list(paths.values()))
+            self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan), kinds,
+                               context, chains=True)
+            counts = dict(zip(trees, self.budget.last_counts))
             chain = self.budget.last_chain
             self._decision = self.budget.last_decision
         for i, tree in trees.items():
             # Every rank records the same full tree; only the count sent to the scheduler
             # (rank 0's, from its clock) is local, and the next layout cuts by what vLLM
-            # actually scheduled. The b nodes go out depth first (see DraftTree.depth_first:
-            # CPU tree attention then needs no permutation and an accepted best chain no KV
-            # compaction).
+            # actually scheduled. The chosen nodes go out depth first (see
+            # DraftTree.depth_first: CPU tree attention then needs no permutation and an
+            # accepted best chain no KV compaction).
             record = self.records.get(ctx.plan.req_ids[i])
             record.proposal = tree
-            record.laid = (paths[i] if chain else tree).truncate(1 + b).depth_first()
+            record.laid = ((tree.first_path() if chain else tree).truncate(1 + counts[i])
+                           .depth_first())
             drafts[i] = record.laid.draft_tokens.tolist()
         self.metrics.maybe_log(len(self.records), self.drafter.acceptance_snapshot)
         self._note_idle()
