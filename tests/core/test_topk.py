@@ -70,3 +70,19 @@ def test_warmup_compiles_both_specialisations():
     warmup()
     kinds = {str(sig[0]) for sig in T._topk_bits.signatures}
     assert any("int16" in s for s in kinds) and any("int32" in s for s in kinds), kinds
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_topk_probs_is_the_softmax_over_the_top_values(wide):
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal((5, 1000)) * 4).astype(np.float32)
+    bits = np.ascontiguousarray(values).view(np.int32) if wide else _bf16_bits(values)
+    exact = values if wide else _bf16_values(bits)
+    ids, probs = T.topk_probs(bits, 8, bfloat16=not wide)
+    np.testing.assert_array_equal(ids, _reference(exact, 8))
+    top = np.take_along_axis(exact, ids, axis=1).astype(np.float64)
+    want = np.exp(top - top[:, :1]) / np.exp(top - top[:, :1]).sum(axis=1, keepdims=True)
+    assert probs.dtype == np.float32
+    np.testing.assert_allclose(probs, want, rtol=1e-6)
+    with pytest.raises(TypeError, match="bfloat16"):
+        T.topk_probs(bits, 8, bfloat16=wide)

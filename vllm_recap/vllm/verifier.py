@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_recap.core.topk import topk_bits
+from vllm_recap.core.topk import topk_bits, topk_probs
 from vllm_recap.vllm.context import StashedKV, StepPlan
 
 # Device rows (GPU) at least this wide are reduced chunk by chunk first (see _topk): a plain
@@ -37,6 +37,8 @@ def topk_rows(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         ids [R, K] int64 by logit descending, probs [R, K] float32 summing to 1 per row.
     """
     bits = _cpu_bits(logits)
+    if bits is not None and logits.dtype != torch.float16:
+        return topk_probs(bits, k, logits.dtype == torch.bfloat16)
     if bits is not None:
         ids, top = topk_bits(bits, k)
         values = torch.from_numpy(top).view(logits.dtype).float().numpy()
