@@ -405,6 +405,15 @@ def test_first_path_follows_the_first_children():
     path = tree.first_path()
     assert path.tokens.tolist() == [0, 1, 3, 5] and path.is_chain() and path.chain_len == 3
     assert tree.leading_chain() == 1 and path.leading_chain() == 3
+    rng = np.random.default_rng(1)
+    for _ in range(100):  # the first path depth-first lays out, on random best-first trees
+        n = int(rng.integers(2, 20))
+        parents = np.r_[-1, [rng.integers(0, i) for i in range(1, n)]]
+        tree = DraftTree(np.arange(n), parents, rng.random(n)).best_first()
+        laid = tree.depth_first()
+        want = laid.truncate(1 + laid.leading_chain())
+        assert tree.first_path().tokens.tolist() == want.tokens.tolist()
+        assert tree.first_path().depths.tolist() == list(range(want.num_nodes))
 
 
 def test_a_batch_drafts_for_its_confident_requests_only():

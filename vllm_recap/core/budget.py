@@ -35,7 +35,7 @@ import numpy as np
 
 from vllm_recap.core.config import MAX_DEPTH, discount_table
 from vllm_recap.core.step_cost import StepCostModel
-from vllm_recap.core.tree import DraftTree, tree_depths
+from vllm_recap.core.tree import DraftTree, first_path_nodes, tree_depths
 
 # Candidate per-request node counts (the controller also caps them at the configured budget).
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -263,7 +263,7 @@ class BudgetController:
         cap = self.max_budget + 1
         shapes = [(False, [p[1:cap] for p in probs], straight)]  # (chain, node probs, straight)
         if chains:
-            paths = [_first_path(t.parents.tolist()) for t in trees]
+            paths = [first_path_nodes(t.parents.tolist()) for t in trees]
             shapes.append((True, [[p[v] for v in path[:self.max_budget]]
                                   for p, path in zip(probs, paths)],
                            [len(path) for path in paths]))
@@ -345,19 +345,6 @@ class BudgetController:
             if np.isscalar(accepted):
                 accepted = np.arange(1, int(accepted) + 1)
             self.calibration(kind).observe(depths, scores, accepted)
-
-
-def _first_path(parents: list[int]) -> list[int]:
-    """Node indices of the path through each node's first child, root excluded (the nodes
-    of `DraftTree.first_path`)."""
-    first = [-1] * len(parents)
-    for i in range(len(parents) - 1, 0, -1):
-        first[parents[i]] = i
-    path, v = [], first[0]
-    while v > 0:
-        path.append(v)
-        v = first[v]
-    return path
 
 
 def _merge(node_probs: list[list[float]], straight: list[int]

@@ -162,10 +162,11 @@ class DraftTree:
 
         Deterministic: every tensor-parallel rank derives the same path from the same tree.
         """
-        laid = self.depth_first()
-        n = 1 + laid.leading_chain()
-        return DraftTree(laid.tokens[:n], laid.parents[:n], laid.scores[:n], n - 1,
-                         laid.depths[:n], None if laid.sources is None else laid.sources[:n])
+        nodes = np.array([0, *first_path_nodes(self.parents.tolist())], np.int64)
+        n = nodes.shape[0]
+        return DraftTree(self.tokens[nodes], np.arange(-1, n - 1, dtype=np.int64),
+                         self.scores[nodes], n - 1, np.arange(n, dtype=np.int64),
+                         None if self.sources is None else self.sources[nodes])
 
     def is_chain(self) -> bool:
         """True if every node's parent is the node before it (a single path)."""
@@ -179,6 +180,19 @@ class DraftTree:
             raise ValueError(f"tokens/parents/scores/depths shapes differ: {shapes}")
         if not np.array_equal(tree_depths(self.parents), self.depths):
             raise ValueError(f"depths {self.depths.tolist()} do not match the parents")
+
+
+def first_path_nodes(parents: list[int]) -> list[int]:
+    """Node indices of the path through each node's first child (lowest index), root
+    excluded: the nodes of `DraftTree.first_path`, from a parents-first ``parents`` list."""
+    first = [-1] * len(parents)
+    for i in range(len(parents) - 1, 0, -1):
+        first[parents[i]] = i
+    path, v = [], first[0] if parents else -1
+    while v > 0:
+        path.append(v)
+        v = first[v]
+    return path
 
 
 def _checked_parents(parents: np.ndarray) -> np.ndarray:
