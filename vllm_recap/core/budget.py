@@ -3,26 +3,29 @@
 Verifying more tree nodes costs target time; on a large GPU model almost nothing up to ~64
 tokens, on a 2-core CPU a lot (the matrix kernels fall off a cliff between 1 and 2 rows). A
 fixed budget is therefore right on one machine and wrong on the next, and wrong again as the
-batch grows. The controller picks, every step, the per-request node count ``b`` that
-maximises expected committed tokens per second of engine time:
+batch grows. The controller picks, every step, the number ``D`` of draft nodes of the whole
+step, their split ``b_r`` over the requests and their shape (trees, or each tree's best chain)
+that maximise expected committed tokens per second of engine time:
 
-    throughput(b) = sum_r (1 + E_r(b)) / T(fixed + sum_r 1, drafts = sum_r b)
+    throughput(D) = sum_r (1 + E_r(b_r)) / T(fixed + sum_r 1, drafts = D, shape)
 
-- ``T(n, drafts)``: seconds of one engine step that runs ``n`` other tokens plus ``drafts``
-  draft tokens, learned online from the steps actually run
+- ``T(n, drafts, shape)``: seconds of one engine step that runs ``n`` other tokens plus
+  ``drafts`` draft tokens, learned online from the steps actually run
   (:class:`~vllm_recap.core.step_cost.StepCostModel`): the plain cost of the other tokens
   plus the measured extra cost of draft tokens (which cost more than prefill tokens of the
-  same count). An unmeasured size between two measured ones
-  is interpolated linearly; larger ones are extrapolated (optimistically while drafts were
-  never measured), so larger budgets get tried, measured, and dropped if they do not pay. A
-  size is re-measured now and then, since machines and loads drift.
+  same count), kept apart for tree steps and chain steps. An unmeasured size between two
+  measured ones is interpolated linearly; larger ones are extrapolated (optimistically while
+  drafts were never measured), so larger budgets get tried, measured, and dropped if they do
+  not pay. A size is re-measured now and then, since machines and loads drift.
 - ``E_r(b)``: expected accepted tokens if request r verifies the first ``b`` nodes of its tree
-  (layout order, parents first). Each node contributes P(node accepted), estimated from its
-  builder score times a calibration factor per depth and score range learned from verified
-  steps (:class:`AcceptanceCalibration`). Summing P(node accepted) over nodes gives the
-  expected accepted length exactly, because at most one node per depth is accepted.
+  (layout order, parents first) or of its best chain. Each node contributes P(node accepted),
+  estimated from its builder score times a calibration factor per depth and score range
+  learned from verified steps (:class:`AcceptanceCalibration`). Summing P(node accepted) over
+  nodes gives the expected accepted length exactly, because at most one node per depth is
+  accepted. The split ``b_r`` of each ``D`` takes the likeliest nodes of the batch
+  (:func:`_merge`).
 
-``b = 0`` (no speculation) is always a candidate, which is what keeps the policy from being
+``D = 0`` (no speculation) is always a candidate, which is what keeps the policy from being
 slower than plain decoding once its estimates are measured.
 """
 
@@ -37,7 +40,7 @@ from vllm_recap.core.config import MAX_DEPTH, discount_table
 from vllm_recap.core.step_cost import StepCostModel
 from vllm_recap.core.tree import DraftTree, first_path_nodes, tree_depths
 
-# Candidate per-request node counts (the controller also caps them at the configured budget).
+# Candidate totals of a step's draft nodes (each request gets at most the configured budget).
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 # Expected throughput a drafting choice must exceed plain decoding's by (see ``choose``).
 DRAFT_MARGIN = 1.03
@@ -139,7 +142,7 @@ class Decision:
     """What the controller expected of the level it chose, for :meth:`BudgetController.observe_outcome`.
 
     Attributes:
-        level: the per-request node count chosen (> 0).
+        level: the step's draft nodes in all (> 0).
         seconds: the cost model's estimate of the step that verifies the drafts.
         gain: the calibrated expected accepted drafts over the batch.
         chain: the drafts were chains (the best chain of each tree), not trees.
