@@ -36,7 +36,7 @@ class TreeVerification:
         tokens: per tree, the accepted tokens then the committed one, as vLLM appends them.
         batch: all tree nodes of the step (``batch.req`` = batch row); None for plain greedy
             trees walked one by one (:func:`_walk_plain`).
-        walk: accepted nodes (global) and committed token per tree (None with ``batch``).
+        walk: accepted nodes (global) and committed token per tree (None when ``batch`` is).
         raw: [N, V] the nodes' logits rows (copies), kept only if logprobs may be written.
         processed: [N, V] float32 processed rows (same condition).
         memory_rows: (logits rows [N], ids [N, K], probs [N, K]): top-K rows of the nodes'
