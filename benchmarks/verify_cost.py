@@ -2,13 +2,15 @@
 chain vs RECAP tree, in one run on one engine kind (issue 13's yardstick).
 
     python -m benchmarks.verify_cost                      # SmolLM2, dtype auto, 3 contexts
-    python -m benchmarks.verify_cost --contexts 500 --nodes 1,5,17 --steps 12
+    python -m benchmarks.verify_cost --contexts 500 --nodes 1,5,17 --rounds 5
 
 Every engine runs one request at a time whose drafts are forced: the drafter returns a tree
 of exactly n nodes (a chain for ``chain``, a bushy breadth-first tree of width 4 for ``tree``)
 with tokens the target never picks, so every step verifies n drafts on the same context.
 A step's time is the wall time of ``LLMEngine.step()`` (the whole pass: forward, sampling,
-RECAP's own work); the figure is the median over ``--steps`` steps after a warm-up.
+RECAP's own work); the figure is the median over ``--steps`` steps after a warm-up, and the
+three modes run in turn in each of ``--rounds`` rounds (tree / chain is taken within a round:
+on a shared host, modes run one after another drifted by more than the effect).
 ``plain`` is vLLM without speculation (one token per pass). Ratios T(n) / T_plain are what
 to read: the machine is shared and absolute times drift.
 """
@@ -98,25 +100,38 @@ def measure(model: str, dtype: str, mode: str, contexts: list[int], nodes: list[
 
 
 def to_markdown(meta: dict, rows: list[dict]) -> str:
-    plain = {r["context"]: r["median_ms"] for r in rows if r["mode"] == "plain"}
-    chain = {(r["context"], r["nodes"]): r["median_ms"] for r in rows if r["mode"] == "chain"}
+    """The table: per (context, n), medians over rounds of each mode's per-round median, and
+    tree / chain as the median [min-max] of the per-round ratios (modes run in turn within a
+    round, so a ratio compares passes minutes apart at most)."""
+    def per_round(mode):
+        return {(r.get("round", 0), r["context"], r["nodes"]): r["median_ms"]
+                for r in rows if r["mode"] == mode}
+
+    plain, chain, tree = per_round("plain"), per_round("chain"), per_round("tree")
+    rounds = sorted({k[0] for k in tree})
     lines = [f"# Verification pass cost ({meta['model']}, {meta['dtype']}, {meta['cpu']})", "",
-             f"{meta['date']}; median of {meta['steps']} steps; T = ms per engine step of one "
-             "request verifying n tokens (root + n - 1 drafts); x plain = T / T(plain decode) "
-             "at the same context; tree/chain = tree pass over chain pass of the same n.", "",
+             f"{meta['date']}; {len(rounds)} round(s), each running plain, chain and tree in "
+             f"turn; a mode's figure is the median over rounds of its median of "
+             f"{meta['steps']} steps; T = ms per engine step of one request verifying n "
+             "tokens (root + n - 1 drafts); x plain = T / T(plain decode) at the same context; "
+             "tree/chain = median [min-max] over rounds of the same round's tree pass over its "
+             "chain pass of the same n.", "",
              "| context | n | plain ms | chain ms (x plain) | tree ms (x plain) | tree / chain |",
              "|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if r["mode"] != "tree":
-            continue
-        c, n, t = r["context"], r["nodes"], r["median_ms"]
-        ch = chain.get((c, n))
-        p = plain.get(c)
-        cells = [f"{c}", f"{n}", f"{p:.1f}" if p else "",
-                 f"{ch:.1f} ({ch / p:.2f})" if ch and p else "",
-                 f"{t:.1f} ({t / p:.2f})" if p else f"{t:.1f}",
-                 f"{t / ch:.2f}" if ch else ""]
-        lines.append("| " + " | ".join(cells) + " |")
+    cells = sorted({(k[1], k[2]) for k in tree})
+    for c, n in cells:
+        t = float(np.median([tree[(r, c, n)] for r in rounds]))
+        ps = [plain[(r, c, 1)] for r in rounds if (r, c, 1) in plain]
+        chs = [chain[(r, c, n)] for r in rounds if (r, c, n) in chain]
+        p = float(np.median(ps)) if ps else None
+        ch = float(np.median(chs)) if chs else None
+        ratios = [tree[(r, c, n)] / chain[(r, c, n)] for r in rounds if (r, c, n) in chain]
+        spread = (f"{np.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+                  if len(ratios) > 1 else f"{ratios[0]:.2f}" if ratios else "")
+        lines.append("| " + " | ".join([
+            f"{c}", f"{n}", f"{p:.1f}" if p else "",
+            f"{ch:.1f} ({ch / p:.2f})" if ch and p else "",
+            f"{t:.1f} ({t / p:.2f})" if p else f"{t:.1f}", spread]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -132,17 +147,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--contexts", default="100,500,1000")
     p.add_argument("--nodes", default="1,5,9,17,33,64")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each running plain, chain and tree in turn (default: 3): on a "
+                        "shared host one mode after another drifts by more than the effect")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     nodes = [int(x) for x in args.nodes.split(",")]
     model, dtype = str(resolve_model(args.model)), resolve_dtype(args.dtype)
     rows = []
-    for mode in ("plain", "chain", "tree"):
-        rows += measure(model, dtype, mode, contexts, nodes, args.steps)
+    for r in range(args.rounds):
+        for mode in ("plain", "chain", "tree"):
+            rows += [dict(row, round=r)
+                     for row in measure(model, dtype, mode, contexts, nodes, args.steps)]
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), model=args.model,
-                dtype=dtype, cpu=cpu_model(), steps=args.steps)
+                dtype=dtype, cpu=cpu_model(), steps=args.steps, rounds=args.rounds)
     result = {"meta": meta, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "result.json").write_text(json.dumps(result, indent=2))

@@ -1,0 +1,25 @@
+"""benchmarks.verify_cost's table: tree / chain is taken within a round (no engine)."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.verify_cost import to_markdown
+
+pytestmark = pytest.mark.unit
+
+
+def test_tree_over_chain_is_the_median_of_same_round_ratios():
+    """Round 1 ran on a host twice as slow for every mode: ratios within a round stay 1.10,
+    where medians of each mode taken apart over mismatched rounds would not."""
+    rows = []
+    for r, scale in ((0, 1.0), (1, 2.0), (2, 1.0)):
+        chain = (30.0 if r != 2 else 40.0) * scale  # round 2: both dearer, same ratio
+        rows += [dict(round=r, mode="plain", context=100, nodes=1, median_ms=20.0 * scale),
+                 dict(round=r, mode="chain", context=100, nodes=5, median_ms=chain),
+                 dict(round=r, mode="tree", context=100, nodes=5, median_ms=1.1 * chain)]
+    meta = dict(model="m", dtype="bfloat16", cpu="cpu", date="d", steps=12)
+    table = to_markdown(meta, rows)
+    assert "3 round(s)" in table
+    line = next(x for x in table.splitlines() if x.startswith("| 100 | 5 |"))
+    assert line.endswith("| 1.10 [1.10-1.10] |")
+    assert "| 20.0 |" in line  # plain: median over rounds
