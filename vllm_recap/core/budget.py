@@ -127,6 +127,11 @@ class AcceptanceCalibration:
     def node_probabilities(self, depths: np.ndarray, parents: np.ndarray,
                            scores: np.ndarray) -> np.ndarray:
         """[n] estimated P(node accepted), root 1; never above the parent's probability."""
+        return np.array(self.probability_list(depths, parents, scores))
+
+    def probability_list(self, depths: np.ndarray, parents: np.ndarray,
+                         scores: np.ndarray) -> list[float]:
+        """:meth:`node_probabilities` as a Python list (what the controller works on)."""
         d = np.minimum(depths, MAX_DEPTH)
         p = np.minimum(1.0, self.factors()[d, self.bins(scores)] * scores).tolist()
         p[0] = 1.0
@@ -134,7 +139,7 @@ class AcceptanceCalibration:
         for i, parent in enumerate(parents.tolist()[1:], 1):
             if p[parent] < p[i]:
                 p[i] = p[parent]
-        return np.array(p)
+        return p
 
 
 @dataclass(frozen=True)
@@ -222,9 +227,8 @@ class BudgetController:
         return np.array(self._gains(tree, kind))
 
     def _gains(self, tree: DraftTree, kind: str) -> list[float]:
-        p = self.calibration(kind).node_probabilities(tree.depths, tree.parents, tree.scores)
-        p[0] = 0.0
-        return list(accumulate(p.tolist()))
+        p = self.calibration(kind).probability_list(tree.depths, tree.parents, tree.scores)
+        return [0.0, *accumulate(p[1:])]
 
     def choose(self, trees: list[DraftTree], fixed_tokens: int,
                kinds: list[str] | None = None, context: float = 0,
@@ -259,7 +263,7 @@ class BudgetController:
         kinds = kinds or ["greedy"] * len(trees)
         # Python lists and floats throughout: a few dozen numbers a step, where numpy's
         # per-call overhead was most of the controller's time (~0.25 ms a step).
-        probs = [self.calibration(k).node_probabilities(t.depths, t.parents, t.scores).tolist()
+        probs = [self.calibration(k).probability_list(t.depths, t.parents, t.scores)
                  for t, k in zip(trees, kinds)]
         # a prefix of up to this many nodes is a single path (verified as a chain)
         straight = [t.leading_chain() for t in trees]

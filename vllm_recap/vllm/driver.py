@@ -177,6 +177,7 @@ class StepDriver:
         req_ids = list(batch.req_ids[:n])
         num_sched = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids],
                              np.int64)
+        num_tokens = int(num_sched.sum())
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         proposals = {r: as_scheduled(tree, laid, scheduled.get(r, ()))
                      for r, (tree, laid) in self.records.take_proposals(req_ids).items()}
@@ -187,14 +188,13 @@ class StepDriver:
                           runner.mrope_positions.gpu if runner.uses_mrope else None, plan)
         ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan, proposals),
                           decision=self._decision if plan.num_drafts.any() else None,
-                          kv_views=(self.settings.eager
-                                    and int(num_sched.sum()) <= KV_VIEWS_UP_TO))
+                          kv_views=self.settings.eager and num_tokens <= KV_VIEWS_UP_TO)
         self._decision = None
         if not ctx.idle and self.compute_logits is not None:
             t1 = time.perf_counter()
             ctx.seeding = self.seeder.plan(plan, batch.token_ids_cpu, self.records)
             ctx.timing.seeding += time.perf_counter() - t1  # inside work (from t0)
-        step = self.clock.step_started(int(num_sched.sum()), decode_context(plan),
+        step = self.clock.step_started(num_tokens, decode_context(plan),
                                        int(plan.num_drafts.sum()), bool(plan.trees))
         if step is not None:
             self.budget.observe_step(*step)

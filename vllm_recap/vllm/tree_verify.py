@@ -87,18 +87,11 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         top_k: K of the memory rows taken from processed distributions (0: none).
     """
     starts = plan.logits_starts
-    rows, req, parent, offsets = [], [], [], []
     requests: list[RequestSampling | None] = [None] * len(plan.req_ids)
-    total = 0
     for tree in plan.trees:
-        b, n = tree.batch_index, tree.num_nodes
-        rows.append(np.arange(starts[b], starts[b] + n))
-        req.append(np.full(n, b))
-        parent.append(np.where(tree.parents >= 0, tree.parents + total, -1))
-        offsets.append(total)
-        requests[b] = request_sampling(runner, plan.req_ids[b])
-        total += n
-    flat = np.concatenate(rows)
+        requests[tree.batch_index] = request_sampling(runner, plan.req_ids[tree.batch_index])
+    flat = np.concatenate([np.arange(starts[t.batch_index], starts[t.batch_index] + t.num_nodes)
+                           for t in plan.trees])
     if not keep_rows:
         # Greedy-equivalent rows (top_k = 1) are walked by argmax: temperature and top-k/p do
         # not move the argmax, so skip them (they sort the vocabulary) unless logprobs of the
@@ -111,7 +104,7 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         targets = (argmax[flat] if argmax is not None
                    else row_argmax(logits[torch.from_numpy(flat).to(logits.device)]))
         return _walk_plain(plan, node_tokens[flat], targets)
-    batch = TreeBatch.from_parents(np.concatenate(req), np.concatenate(parent), node_tokens[flat])
+    batch, offsets = _tree_batch(plan, node_tokens[flat])
     raw = logits[torch.from_numpy(flat).to(logits.device)]
     processed = process_tree_logits(raw, batch, requests)
     walk = verify_trees(processed, batch, requests)
@@ -122,6 +115,19 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
     return TreeVerification.of_walk(batch, offsets, walk, raw=raw if keep_rows else None,
                                     processed=processed if keep_rows else None,
                                     memory_rows=memory)
+
+
+def _tree_batch(plan: StepPlan, tokens: np.ndarray) -> tuple[TreeBatch, list[int]]:
+    """The step's trees as one TreeBatch (``tokens`` [N]: their nodes' tokens, trees in
+    ``plan.trees`` order) and each tree's root index in it."""
+    req, parent, offsets, total = [], [], [], 0
+    for tree in plan.trees:
+        req.append(np.full(tree.num_nodes, tree.batch_index))
+        parent.append(np.where(tree.parents >= 0, tree.parents + total, -1))
+        offsets.append(total)
+        total += tree.num_nodes
+    return (TreeBatch.from_parents(np.concatenate(req), np.concatenate(parent), tokens),
+            offsets)
 
 
 def _walk_plain(plan: StepPlan, tokens: np.ndarray, targets: np.ndarray) -> TreeVerification:
