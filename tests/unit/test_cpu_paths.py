@@ -216,9 +216,9 @@ def test_paths_match_float64_reference_and_old_path(dtype, bs, hs, window, softc
     # one stash entry per tree request, with the nodes' own K/V and real slots
     assert [e.batch_index for e in ctx.kv_stash] == [3, 4, 5]
     e = ctx.kv_stash[0]
-    qs = int(b.qsl[3])
-    assert torch.equal(e.key, b.key[qs:qs + len(TREE_A)])
-    assert torch.equal(e.slots, b.meta.slot_mapping[qs:qs + len(TREE_A)])
+    qs, n = int(b.qsl[3]), len(TREE_A)
+    assert torch.equal(e.key[e.start:e.start + n], b.key[qs:qs + n])
+    assert torch.equal(e.slots[e.start:e.start + n], b.meta.slot_mapping[qs:qs + n])
 
 
 @pytest.mark.parametrize("kv_views", [False, True])
@@ -227,10 +227,10 @@ def test_the_stash_holds_views_only_where_the_step_allows(kv_views):
     views of the layer's own K/V in an eager step: same values either way."""
     b = _batch(_requests(32), 32, 64, torch.float32, None, None)
     _, ctx, _ = _run_paths(b, kv_views=kv_views)
-    qs = int(b.qsl[3])
+    qs, n = int(b.qsl[3]), len(TREE_A)
     for e in ctx.kv_stash[:1]:
-        assert torch.equal(e.key, b.key[qs:qs + len(TREE_A)])
-        assert torch.equal(e.value, b.value[qs:qs + len(TREE_A)])
+        assert torch.equal(e.key[e.start:e.start + n], b.key[qs:qs + n])
+        assert torch.equal(e.value[e.start:e.start + n], b.value[qs:qs + n])
         shares = [t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
                   for t, src in ((e.key, b.key), (e.value, b.value),
                                  (e.slots, b.meta.slot_mapping))]

@@ -176,6 +176,20 @@ def test_compaction_moves_only_off_chain_nodes_in_depth_order():
         assert torch.equal(vv, -kk)
 
 
+def test_compaction_reads_a_stash_of_whole_layer_tensors_at_the_request_start():
+    """Eager steps stash each layer's whole K/V and slot mapping with the request's first
+    row (no slicing per layer): sources and destinations are offset by it."""
+    impl = _FakeImpl()
+    k = torch.arange(12, dtype=torch.float32)[:, None, None].expand(12, 1, 2)
+    slots = torch.arange(200, 212)  # rows 0..4: another request; 5..11: this tree's nodes
+    stash = [StashedKV(impl, layer, None, 1, k, -k, slots, start=5) for layer in ("L0", "L1")]
+    assert compact_kv(stash, {1: np.array([3, 6])}) == 2
+    for layer, kk, vv, ss in impl.calls:
+        assert kk[:, 0, 0].tolist() == [8.0, 11.0]  # nodes 3 and 6 of the tree
+        assert ss.tolist() == [206, 207]  # the slots of depth 1 and 2
+        assert torch.equal(vv, -kk)
+
+
 def test_compaction_skips_acceptance_already_in_place():
     impl = _FakeImpl()  # node 1 sits at depth 1: accepting it alone needs no copy
     stash = [_stash(impl, "L0", torch.zeros(7, 1, 2), torch.zeros(7, 1, 2), torch.arange(7))]

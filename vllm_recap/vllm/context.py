@@ -110,9 +110,11 @@ class StashedKV:
         layer: the attention layer (vLLM's ``Attention`` module) passed back to ``writer``.
         kv_cache: that layer's paged cache.
         batch_index: the request's row in the batch.
-        key, value: [n, KVH, D] the nodes' K and V: copies, or views of the layer's own
-            tensors where the step allows (``StepContext.kv_views``).
-        slots: [n] int64 the slots the nodes were written to (root first).
+        key, value: [T, KVH, D] K and V whose rows ``start .. start + n - 1`` are the nodes':
+            copies of those rows (``start`` 0), or the layer's own whole tensors where the
+            step allows (``StepContext.kv_views``; no per-layer slicing in the forward).
+        slots: [T] int64 slots, rows ``start ..`` the nodes' (root first), as ``key``.
+        start: the root's row in ``key``, ``value`` and ``slots``.
     """
 
     writer: KVWriter
@@ -122,6 +124,7 @@ class StashedKV:
     key: torch.Tensor
     value: torch.Tensor
     slots: torch.Tensor
+    start: int = 0
 
 
 @dataclass

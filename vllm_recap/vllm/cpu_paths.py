@@ -360,17 +360,19 @@ def forward_with_paths(impl: Any, layer: Any, query: torch.Tensor, key: torch.Te
     """
     ops = _vllm_ops()
     n_tok = int(vb.perm.shape[0])
-    nb, kvh, bs, _ = kv_cache.shape
-    if bs != vb.block_size:
-        raise ValueError(f"virtual batch built for block size {vb.block_size}, cache has {bs}")
-    caches = kv_cache.view(nb, kvh, 2 * bs, -1)
-    key_cache, value_cache = caches.chunk(2, dim=2)
+    if kv_cache.shape[2] != vb.block_size:
+        raise ValueError(f"virtual batch built for block size {vb.block_size}, cache has "
+                         f"{kv_cache.shape[2]}")
+    # Per layer, every Python-level tensor op costs a few us (more right after the linear
+    # layers have streamed their weights): ~30 layers x ~10 ops were a tree pass's fixed extra
+    # cost over a chain's. Hence narrow() for slices, cached cache views, stash without slices.
+    key_cache, value_cache = _split_cache(impl, kv_cache)
     for c in vb.tail_copies:  # before the writes: they overwrite the copied nodes
-        src = kv_cache[c.src].expand(c.dst.shape[0], -1, -1, -1)
+        src = kv_cache.narrow(0, c.src, 1)
         if c.first >= 0:
-            kv_cache[c.first:c.first + c.dst.shape[0]].copy_(src)
+            kv_cache.narrow(0, c.first, c.dst.shape[0]).copy_(src)  # broadcast from one block
         else:
-            kv_cache.index_copy_(0, c.dst, src)
+            kv_cache.index_copy_(0, c.dst, src.expand(c.dst.shape[0], -1, -1, -1))
     if vb.write_rows.numel():
         ops.cpu_attn_reshape_and_cache(
             key.index_select(0, vb.write_rows), value.index_select(0, vb.write_rows),
@@ -379,11 +381,12 @@ def forward_with_paths(impl: Any, layer: Any, query: torch.Tensor, key: torch.Te
     if impl.sinks is not None and impl.sinks.dtype not in (torch.bfloat16, torch.float32):
         impl.sinks = impl.sinks.to(torch.float32)  # as vLLM's forward: the kernel's dtypes
     out3 = output.view(output.shape[0], impl.num_heads, impl.head_size)
+    rows = out3 if out3.shape[0] == n_tok else out3.narrow(0, 0, n_tok)
     if vb.identity:
-        q, out = query[:n_tok], out3[:n_tok]
+        q, out = (query if query.shape[0] == n_tok else query.narrow(0, 0, n_tok)), rows
     else:  # the kernel reads each request's queries as one contiguous run of rows
-        q = query[:n_tok].index_select(0, vb.perm)
-        out = torch.empty_like(out3[:n_tok])
+        q = query.index_select(0, vb.perm)
+        out = torch.empty_like(rows)
     ops.cpu_attention_with_kv_cache(
         query=q, key_cache=key_cache, value_cache=value_cache, output=out,
         query_start_loc=vb.query_start_loc, seq_lens=vb.seq_lens, scale=impl.scale,
@@ -393,18 +396,34 @@ def forward_with_paths(impl: Any, layer: Any, query: torch.Tensor, key: torch.Te
         s_aux=impl.sinks, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
         kv_cache_dtype=impl.kv_cache_dtype)
     if not vb.identity:
-        out3[:n_tok].index_copy_(0, vb.perm, out)
+        rows.index_copy_(0, vb.perm, out)
     if vb.dense:
         _recompute_dense(impl, layer, query, key, value, kv_cache, attn_metadata, vb, out3)
-    # Views where the step allows (three copies per tree and layer cost ~25-45 us of a
-    # ~100-400 us layer, bf16 SmolLM2 shapes); slots are the step's own, read before the
-    # next step's metadata.
-    keep = (lambda t: t) if ctx.kv_views else torch.Tensor.clone
+    # The layer's own tensors where the step allows (three copies per tree and layer cost
+    # ~25-45 us of a ~100-400 us layer, bf16 SmolLM2 shapes); slots are the step's own, read
+    # before the next step's metadata.
+    slots = attn_metadata.slot_mapping
     for batch_index, qs, n in vb.stash:
-        ctx.kv_stash.append(StashedKV(impl, layer, kv_cache, batch_index,
-                                      keep(key[qs:qs + n]), keep(value[qs:qs + n]),
-                                      keep(attn_metadata.slot_mapping[qs:qs + n])))
+        if ctx.kv_views:
+            entry = StashedKV(impl, layer, kv_cache, batch_index, key, value, slots, qs)
+        else:
+            entry = StashedKV(impl, layer, kv_cache, batch_index, key[qs:qs + n].clone(),
+                              value[qs:qs + n].clone(), slots[qs:qs + n].clone())
+        ctx.kv_stash.append(entry)
     return output
+
+
+def _split_cache(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's key and value views of a layer's cache [NB, KVH, bs, 2D], kept on the
+    layer's implementation for the cache tensor they were made of (vLLM allocates each
+    layer's cache once, so they are made once)."""
+    hit = getattr(impl, "_recap_cache_views", None)
+    if hit is not None and hit[0] is kv_cache:
+        return hit[1], hit[2]
+    nb, kvh, bs, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
+    impl._recap_cache_views = (kv_cache, key_cache, value_cache)
+    return key_cache, value_cache
 
 
 @functools.lru_cache(maxsize=1)

@@ -134,10 +134,10 @@ def compact_kv(stash: list[StashedKV], accepted: dict[int, np.ndarray]) -> int:
         move = moves.get(entry.batch_index)
         if move is None:
             continue
-        key = (entry.batch_index, entry.slots.data_ptr())
+        key = (entry.batch_index, entry.slots.data_ptr(), entry.start)
         hit = index.get(key)
         if hit is None:
-            src, dst = (torch.from_numpy(a).to(entry.slots.device) for a in move)
+            src, dst = (torch.from_numpy(a + entry.start).to(entry.slots.device) for a in move)
             hit = index[key] = (src, entry.slots[dst])
         src, slots = hit
         entry.writer.do_kv_cache_update(entry.layer, entry.key[src], entry.value[src],
