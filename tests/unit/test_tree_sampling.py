@@ -608,3 +608,60 @@ def test_walk_equals_the_core_reference_verifier_on_random_trees(data):
     walk = walk_targets(batch, argmax)
     accepted, bonus = verify_greedy(np.array(tokens), np.array(parents), argmax)
     assert walk.accepted[0].tolist() == accepted.tolist() and int(walk.committed[0]) == bonus
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_sparse_penalties_equal_vllms_apply_penalties_bit_for_bit(data):
+    """apply_penalties_sparse (CPU production path) == vLLM's apply_penalties on the same rows:
+    prompt / output / path tokens with duplicates, async -1 placeholders, zero, negative and
+    -inf logits, several requests with their own penalties."""
+    from vllm.model_executor.layers.utils import apply_penalties
+
+    from vllm_recap.vllm.tree_sampling import apply_penalties_sparse, group_by_request
+
+    vocab = data.draw(st.integers(4, 40))
+    tok = st.integers(0, vocab - 1)
+    n_req = data.draw(st.integers(1, 3))
+    requests, sizes = [], []
+    for _ in range(n_req):
+        prompt = data.draw(st.lists(tok, min_size=1, max_size=12))
+        output = data.draw(st.lists(st.one_of(tok, st.just(-1)), min_size=1, max_size=10))
+        output[-1] = data.draw(tok)  # the root's token, committed
+        pen = dict(repetition_penalty=data.draw(st.sampled_from([1.0, 1.05, 1.3, 0.8])),
+                   frequency_penalty=data.draw(st.sampled_from([0.0, 0.4, -0.6])),
+                   presence_penalty=data.draw(st.sampled_from([0.0, 0.5, -1.0])))
+        requests.append(RequestSampling(prompt, output, temperature=0.0, **pen))
+        sizes.append(data.draw(st.integers(1, 8)))
+    req, parent, token = [], [], []
+    for r, size in enumerate(sizes):
+        base = len(req)
+        for i in range(size):
+            req.append(r)
+            parent.append(-1 if i == 0 else base + data.draw(st.integers(0, i - 1)))
+            token.append(requests[r].output_token_ids[-1] if i == 0 else data.draw(tok))
+    tree = TreeBatch.from_parents(req, parent, token)
+    values = st.one_of(st.floats(-30, 30, width=32), st.sampled_from([0.0, -0.0, float("-inf")]))
+    logits = torch.tensor(data.draw(st.lists(values, min_size=tree.num_nodes * vocab,
+                                             max_size=tree.num_nodes * vocab)),
+                          dtype=torch.float32).view(tree.num_nodes, vocab)
+    groups = group_by_request(tree, requests)
+    got = logits.clone()
+    apply_penalties_sparse(got, groups, tree, tree.path_tokens())
+    # vLLM, one row per node: prompt; output = request output + path (padded with vocab)
+    path = tree.path_tokens()
+
+    def padded(rows):
+        width = max(len(r) for r in rows)
+        return torch.tensor([[t if t >= 0 else vocab for t in r] + [vocab] * (width - len(r))
+                             for r in rows])
+
+    rs_of = [requests[int(r)] for r in tree.req]
+    want = apply_penalties(
+        logits.clone(), padded([list(rs.prompt_token_ids) for rs in rs_of]),
+        padded([list(rs.output_token_ids) + path[n, :tree.depth[n]].tolist()
+                for n, rs in enumerate(rs_of)]),
+        torch.tensor([rs.presence_penalty for rs in rs_of], dtype=torch.float32),
+        torch.tensor([rs.frequency_penalty for rs in rs_of], dtype=torch.float32),
+        torch.tensor([rs.repetition_penalty for rs in rs_of], dtype=torch.float32))
+    assert torch.equal(got, want)

@@ -292,10 +292,14 @@ def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
                torch.as_tensor(np.concatenate(lb_toks), device=dev))
         out[idx] += torch.as_tensor(np.concatenate(lb_vals), device=dev)
 
-    # 4. Penalties with vLLM's own function on the penalised rows only (a neutral row is an
-    #    exact no-op in vLLM's batch). Output = request output + path, padded with vocab.
+    # 4. Penalties (repetition, frequency, presence) over prompt + output + path. On CPU only
+    #    the seen entries (vLLM's CPU ops, bit for bit); elsewhere vLLM's own function (its
+    #    CUDA repetition kernel may round differently from the CPU formula), on the penalised
+    #    rows only (a neutral row is an exact no-op in vLLM's batch).
     pen = [(rs, nodes) for rs, nodes in groups if rs.has_penalties]
-    if pen:
+    if pen and dev.type == "cpu":
+        apply_penalties_sparse(out, pen, tree, path)
+    elif pen:
         from vllm.model_executor.layers.utils import apply_penalties
 
         rows_np, owner = rows_and_owner(pen)
@@ -340,3 +344,67 @@ def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
              if any(rs.top_p < 1 for rs, _ in samp) else None)
         out[rows] = apply_top_k_top_p(sub, k, p)
     return out
+
+
+def apply_penalties_sparse(out: torch.Tensor, groups: list[tuple[RequestSampling, np.ndarray]],
+                           tree: TreeBatch, path: np.ndarray) -> None:
+    """vLLM's ``apply_penalties`` on CPU on the rows of ``groups``, in place, bit for bit,
+    touching only the entries it changes.
+
+    vLLM's function builds [rows, V + 1] count tensors of prompt and output and scales every
+    entry; on a 49k-151k vocabulary that was most of a penalised tree step (~2 ms p50 and
+    16 ms p99 for ~6 rows with long prompts, bf16 SmolLM2, AMD EPYC 2 cores). An entry no
+    token of the row's prompt, output or path names is left exactly as vLLM leaves it (x * 1.0
+    - f * 0 - p * 0 = x), so only the seen (row, token) pairs are computed, with vLLM's own ops
+    in vLLM's order: ``x * (1 / r if x > 0 else r)`` (float32 reciprocal), then ``- f * count``
+    and ``- p * (count > 0)`` over the output (request output + path) counts.
+
+    Args:
+        out: [N, V] float32 rows, modified in place.
+        groups: (request, its node rows) for the requests with penalties.
+        tree: the step's trees (depths).
+        path: [N, D] ``tree.path_tokens()``.
+    """
+    vocab = out.shape[1]
+    rows, cols, counts, owner = [], [], [], []
+    for g, (rs, nodes) in enumerate(groups):
+        prompt = np.asarray(rs.prompt_token_ids, np.int64).reshape(-1)
+        output = np.asarray(rs.output_token_ids, np.int64).reshape(-1)
+        output = output[(output >= 0) & (output < vocab)]  # async placeholders are padding
+        prompt = prompt[(prompt >= 0) & (prompt < vocab)]
+        # Entries every node of the request shares: prompt and output tokens, output counts.
+        seen, inverse = np.unique(np.concatenate([prompt, output]), return_inverse=True)
+        out_count = np.bincount(inverse[prompt.shape[0]:], minlength=seen.shape[0])
+        n = nodes.shape[0]
+        # Each node's path tokens (root excluded, the node included) add output occurrences.
+        depth = tree.depth[nodes]
+        node_path = path[nodes]
+        on_path = np.arange(node_path.shape[1])[None, :] < depth[:, None]
+        path_rows = np.broadcast_to(nodes[:, None], node_path.shape)[on_path]
+        rows.append(np.concatenate([np.repeat(nodes, seen.shape[0]), path_rows]))
+        cols.append(np.concatenate([np.tile(seen, n), node_path[on_path]]))
+        counts.append(np.concatenate([np.tile(out_count, n),
+                                      np.ones(path_rows.shape[0], np.int64)]))
+        owner.append(np.full(rows[-1].shape[0], g))
+    rows_np, cols_np = np.concatenate(rows), np.concatenate(cols)
+    # One entry per (row, token): sum the output counts of duplicates.
+    key, first, inverse = np.unique(rows_np * vocab + cols_np, return_index=True,
+                                    return_inverse=True)
+    count = np.bincount(inverse.reshape(-1), weights=np.concatenate(counts),
+                        minlength=key.shape[0]).astype(np.int64)
+    owner_np = np.concatenate(owner)[first]
+    dev = out.device
+
+    def per_entry(attr: str) -> torch.Tensor:  # float32 like InputBatch's penalty tensors
+        vals = torch.tensor([getattr(rs, attr) for rs, _ in groups], dtype=torch.float32)
+        return vals[torch.from_numpy(owner_np)].to(dev)
+
+    r_idx = torch.from_numpy(key // vocab).to(dev)
+    c_idx = torch.from_numpy(key % vocab).to(dev)
+    count_t = torch.from_numpy(count).to(dev)
+    vals = out[r_idx, c_idx]
+    rep = per_entry("repetition_penalty")
+    vals *= torch.where(vals > 0, 1.0 / rep, rep)  # apply_repetition_penalties_torch
+    vals -= per_entry("frequency_penalty") * count_t  # apply_penalties
+    vals -= per_entry("presence_penalty") * (count_t > 0)
+    out[r_idx, c_idx] = vals
