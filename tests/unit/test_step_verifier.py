@@ -151,6 +151,44 @@ def test_penalised_trees_give_the_memories_rows_of_the_processed_distribution():
     assert plain.memory_rows is None
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_penalised_trees_decided_from_the_raw_top_k_equal_whole_row_processing(seed):
+    """With the raw top-K ids (the driver's memory rows) penalised greedy trees are walked
+    from those K candidates: the same acceptance and committed tokens as processing whole
+    rows, and the same top-1 memory row; rows where a penalised candidate could lose to an
+    entry outside the top K fall back to whole rows."""
+    plan = _plan()
+    node_tokens = np.array([7, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22])
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(11, 32, generator=gen) * 2
+    # the path and output tokens among the leaders, so the penalties move the argmax
+    logits[:, [7, 11, 13, 14]] += torch.rand(11, 4, generator=gen) * 4
+    logits[1, 13] += 20.0  # r1's root picks node 3 (token 13): the walk goes below the root
+    params = greedy_params(repetition_penalty=1.3, frequency_penalty=0.3, presence_penalty=0.2)
+    runner = _runner(plan, params)
+    ids, _ = topk_rows(logits, 4)
+    fast = prepare(plan, logits, node_tokens, runner, keep_rows=False, top_k=4, top_ids=ids)
+    full = prepare(plan, logits, node_tokens, runner, keep_rows=False, top_k=4)
+    assert full.walk is not None
+    assert [a.tolist() for a in fast.nodes] == [a.tolist() for a in full.nodes]
+    assert fast.tokens == full.tokens and fast.nodes[0].tolist()[:1] == [3]
+    if fast.walk is None:  # decided from the top K: the processed rows' top-1 as memory
+        assert fast.memory_rows[1][:, 0].tolist() == full.memory_rows[1][:, 0].tolist()
+
+
+def test_penalised_trees_undecided_in_the_top_k_fall_back_to_whole_rows():
+    plan = _plan()
+    node_tokens = np.array([7, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22])
+    logits = torch.zeros(11, 32)
+    logits[:, 7] = 10.0  # the only candidate (K = 1), penalised below 9.0
+    logits[:, 9] = 9.0
+    runner = _runner(plan, greedy_params(repetition_penalty=1.5))
+    ids, _ = topk_rows(logits, 1)
+    ver = prepare(plan, logits, node_tokens, runner, keep_rows=False, top_k=1, top_ids=ids)
+    assert ver.walk is not None  # whole rows processed
+    assert ver.walk.target.tolist() == [9] * 7
+
+
 class _FakeImpl:
     def __init__(self):
         self.calls = []

@@ -665,3 +665,43 @@ def test_sparse_penalties_equal_vllms_apply_penalties_bit_for_bit(data):
         torch.tensor([rs.frequency_penalty for rs in rs_of], dtype=torch.float32),
         torch.tensor([rs.repetition_penalty for rs in rs_of], dtype=torch.float32))
     assert torch.equal(got, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_penalised_top_argmax_equals_whole_row_processing_when_decided(data):
+    """The argmax from each row's raw top K == the argmax of vLLM's processed row whenever the
+    function calls it decided (ties included: logits from a coarse grid), and it is decided
+    whenever the best penalised candidate stays above the K-th raw value."""
+    from vllm_recap.vllm.tree_sampling import penalised_top_argmax, penalties_only
+    from vllm_recap.vllm.tree_walk import greedy_sample
+
+    vocab = data.draw(st.integers(4, 24))
+    k = data.draw(st.integers(1, vocab - 1))
+    tok = st.integers(0, vocab - 1)
+    requests, sizes = [], []
+    for _ in range(data.draw(st.integers(1, 3))):
+        pen = dict(repetition_penalty=data.draw(st.sampled_from([1.0, 1.05, 1.5])),
+                   frequency_penalty=data.draw(st.sampled_from([0.0, 0.5])),
+                   presence_penalty=data.draw(st.sampled_from([0.0, 0.25])))
+        requests.append(RequestSampling(data.draw(st.lists(tok, min_size=1, max_size=8)),
+                                        data.draw(st.lists(tok, min_size=1, max_size=6)),
+                                        temperature=0.0, **pen))
+        sizes.append(data.draw(st.integers(1, 6)))
+    assert all(penalties_only(r) for r in requests)
+    tree = random_forest(np.random.default_rng(data.draw(st.integers(0, 99))), requests, sizes,
+                         n_tokens=vocab)
+    grid = st.sampled_from([-3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    logits = torch.tensor(data.draw(st.lists(grid, min_size=tree.num_nodes * vocab,
+                                             max_size=tree.num_nodes * vocab)),
+                          dtype=torch.float32).view(tree.num_nodes, vocab)
+    top = torch.sort(logits, dim=1, descending=True, stable=True)
+    values, ids = top.values[:, :k].numpy(), top.indices[:, :k].numpy().astype(np.int64)
+    path = tree.path_tokens()
+    paths = [path[n, :tree.depth[n]].tolist() for n in range(tree.num_nodes)]
+    argmax, mem_ids, probs = penalised_top_argmax(values, ids, tree.req, paths, requests)
+    want = greedy_sample(process_tree_logits(logits, tree, requests))
+    if argmax is not None:
+        assert argmax.tolist() == want.tolist()
+        assert mem_ids.shape == (tree.num_nodes, k)
+        np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)

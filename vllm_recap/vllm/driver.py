@@ -270,7 +270,7 @@ class StepDriver:
             trees = prepare_trees(plan, logits, rows.node_tokens, runner,
                                   keep_rows=self._wants_logprobs(runner, plan),
                                   argmax=ids[:, 0] if top1_is_argmax(logits) else None,
-                                  top_k=self.config.top_k)
+                                  top_k=self.config.top_k, top_ids=ids)
             if trees.memory_rows is not None:  # rows of processed distributions replace raw
                 flat, processed_ids, processed_probs = trees.memory_rows
                 ids[flat], probs[flat] = processed_ids, processed_probs

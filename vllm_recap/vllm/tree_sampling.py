@@ -408,3 +408,83 @@ def apply_penalties_sparse(out: torch.Tensor, groups: list[tuple[RequestSampling
     vals -= per_entry("frequency_penalty") * count_t  # apply_penalties
     vals -= per_entry("presence_penalty") * (count_t > 0)
     out[r_idx, c_idx] = vals
+
+
+def penalties_only(rs: RequestSampling) -> bool:
+    """Greedy-equivalent with at most penalties that only lower logits (repetition >= 1,
+    frequency and presence >= 0) and nothing else to process: its argmax is decided among the
+    raw row's top entries whenever the best penalised one stays above the rest
+    (:func:`penalised_top_argmax`)."""
+    return (rs.greedy_equivalent and rs.repetition_penalty >= 1.0
+            and rs.frequency_penalty >= 0.0 and rs.presence_penalty >= 0.0
+            and not rs.allowed_token_ids and not rs.bad_words_token_ids and not rs.logit_bias
+            and not (rs.min_tokens and rs.stop_token_ids))
+
+
+def penalised_top_argmax(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
+                         paths: Sequence[Sequence[int]],
+                         requests: Sequence[RequestSampling]
+                         ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """The argmax of each penalised row from its raw top-K alone, exactly, when it can be.
+
+    For :func:`penalties_only` requests a penalty never raises a logit, so every entry outside
+    a row's raw top K stays <= the K-th raw value v_K. Penalising the K candidates with vLLM's
+    CPU ops (as :func:`apply_penalties_sparse`, float32) gives the processed row's argmax
+    whenever the best penalised candidate m is > v_K (lowest id among equal candidates, vLLM's
+    rule); at m <= v_K an unseen entry outside the top K could tie or win, and the caller
+    processes whole rows instead. No [rows, V] copy, count tensor or second top-K.
+
+    Args:
+        values: [M, K] float32 raw logits of the rows' top K, largest first.
+        ids: [M, K] int64 their token ids.
+        owner: [M] index into ``requests`` of each row's request.
+        paths: per row, the tokens on its node's path (root excluded, node included).
+        requests: the requests (each :func:`penalties_only`).
+
+    Returns:
+        argmax [M] int64, or None when some row is undecided; and the memory rows: ids [M, K]
+        by penalised value (largest first) and probs [M, K]
+        float32, the softmax over those K penalised values (the top K of the processed row
+        but for candidates that fell below entries outside the raw top K).
+    """
+    m_rows, k = values.shape
+    count = np.zeros((m_rows, k), np.int64)
+    seen = np.zeros((m_rows, k), bool)
+    rep = np.ones((m_rows, 1), np.float32)
+    freq = np.zeros((m_rows, 1), np.float32)
+    pres = np.zeros((m_rows, 1), np.float32)
+    for g in np.unique(owner).tolist():
+        rs = requests[g]
+        if not rs.has_penalties:
+            continue
+        rows = np.flatnonzero(owner == g)
+        cand = ids[rows]
+        output = np.asarray(rs.output_token_ids, np.int64).reshape(-1)
+        out_tok, out_cnt = np.unique(output[output >= 0], return_counts=True)
+        at = np.minimum(np.searchsorted(out_tok, cand), max(len(out_tok) - 1, 0))
+        cnt = np.where(out_tok[at] == cand, out_cnt[at], 0) if len(out_tok) else np.zeros_like(cand)
+        depth = max(1, max(len(paths[r]) for r in rows.tolist()))
+        path = np.full((len(rows), depth), -1, np.int64)
+        for i, r in enumerate(rows.tolist()):
+            path[i, :len(paths[r])] = paths[r]
+        cnt = cnt + (cand[:, :, None] == path[:, None, :]).sum(-1)
+        count[rows] = cnt
+        seen[rows] = (cnt > 0) | np.isin(cand, np.asarray(rs.prompt_token_ids, np.int64))
+        rep[rows], freq[rows], pres[rows] = (rs.repetition_penalty, rs.frequency_penalty,
+                                             rs.presence_penalty)
+    v = values.astype(np.float32, copy=True)
+    # vLLM's CPU order and float32 ops: x * (1 / r) or x * r, then - f * count, - p * mask.
+    scale = np.where(v > 0, np.float32(1.0) / rep, rep).astype(np.float32)
+    v = np.where(seen, v * scale, v)
+    v = v - freq * count.astype(np.float32)
+    v = v - pres * (count > 0).astype(np.float32)
+    best = v.max(axis=1)
+    decided = bool(np.all(best > values[:, -1]))
+    order = np.argsort(-v, axis=1, kind="stable")  # largest first (ties: raw top-K order)
+    mem_ids = np.take_along_axis(ids, order, 1)
+    mem_vals = np.take_along_axis(v, order, 1)
+    tie = mem_vals == mem_vals[:, :1]
+    argmax = np.where(tie, mem_ids, np.iinfo(np.int64).max).min(axis=1)
+    e = np.exp(mem_vals - mem_vals[:, :1])
+    probs = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+    return (argmax if decided else None), mem_ids, probs

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from vllm_recap.vllm.context import StepPlan
-from vllm_recap.vllm.tree_sampling import RequestSampling, TreeBatch, process_tree_logits
+from vllm_recap.vllm.tree_sampling import (RequestSampling, TreeBatch, penalised_top_argmax,
+                                           penalties_only, process_tree_logits)
 from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees
 from vllm_recap.vllm.verifier import row_argmax, topk_rows
 
@@ -73,7 +74,7 @@ def request_sampling(runner, req_id: str) -> RequestSampling:
 
 def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runner,
             keep_rows: bool, argmax: np.ndarray | None = None,
-            top_k: int = 0) -> TreeVerification:
+            top_k: int = 0, top_ids: np.ndarray | None = None) -> TreeVerification:
     """Processes and walks every tree of the step (before vLLM's sampler runs).
 
     Args:
@@ -85,6 +86,8 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         argmax: [R] each logits row's argmax by vLLM's rule (lowest id among equal maxima),
             when the caller has it (the top-1 of the memory rows on CPU); else computed here.
         top_k: K of the memory rows taken from processed distributions (0: none).
+        top_ids: [R, K] each logits row's raw top-K ids, largest first, when the caller has
+            them (the memory rows): penalised greedy trees are then decided from them.
     """
     starts = plan.logits_starts
     requests: list[RequestSampling | None] = [None] * len(plan.req_ids)
@@ -104,6 +107,13 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         targets = (argmax[flat] if argmax is not None
                    else row_argmax(logits[torch.from_numpy(flat).to(logits.device)]))
         return _walk_plain(plan, node_tokens[flat], targets)
+    if not keep_rows and top_ids is not None and top_k > 0 \
+            and all(penalties_only(r) for r in requests if r is not None):
+        # Qwen2.5-VL's recommended settings (repetition penalty, top_k 1): the argmax from the
+        # raw top-K when it is decided there (almost always), whole rows otherwise.
+        ver = _walk_penalised(plan, logits, flat, node_tokens[flat], top_ids[flat], requests)
+        if ver is not None:
+            return ver
     batch, offsets = _tree_batch(plan, node_tokens[flat])
     raw = logits[torch.from_numpy(flat).to(logits.device)]
     processed = process_tree_logits(raw, batch, requests)
@@ -128,6 +138,41 @@ def _tree_batch(plan: StepPlan, tokens: np.ndarray) -> tuple[TreeBatch, list[int
         total += tree.num_nodes
     return (TreeBatch.from_parents(np.concatenate(req), np.concatenate(parent), tokens),
             offsets)
+
+
+def _walk_penalised(plan: StepPlan, logits: torch.Tensor, flat: np.ndarray, tokens: np.ndarray,
+                    ids: np.ndarray, requests: list[RequestSampling | None]
+                    ) -> TreeVerification | None:
+    """Greedy walks of penalised trees decided from each node row's raw top K
+    (:func:`~vllm_recap.vllm.tree_sampling.penalised_top_argmax`); None when some row is not
+    decided there.
+
+    Args:
+        plan: the step layout.
+        logits: [R, V] the step's logits.
+        flat: [N] the tree nodes' logits rows, trees in ``plan.trees`` order.
+        tokens: [N] their tokens.
+        ids: [N, K] their rows' raw top-K ids.
+        requests: per batch row, its sampling state (each tree's :func:`penalties_only`).
+    """
+    dev = logits.device
+    values = logits[torch.from_numpy(flat).to(dev).unsqueeze(1),
+                    torch.from_numpy(ids).to(dev)].float().cpu().numpy()
+    owner, paths, start, tok = [], [], 0, tokens.tolist()
+    for tree in plan.trees:
+        node_paths: list[list[int]] = [[]]
+        for i, p in enumerate(tree.parents.tolist()[1:], 1):
+            node_paths.append(node_paths[p] + [tok[start + i]])
+        paths.extend(node_paths)
+        owner.extend([tree.batch_index] * tree.num_nodes)
+        start += tree.num_nodes
+    argmax, mem_ids, mem_probs = penalised_top_argmax(values, ids, np.asarray(owner, np.int64),
+                                                      paths, requests)
+    if argmax is None:
+        return None
+    ver = _walk_plain(plan, tokens, argmax)
+    ver.memory_rows = (flat, mem_ids, mem_probs)
+    return ver
 
 
 def _walk_plain(plan: StepPlan, tokens: np.ndarray, targets: np.ndarray) -> TreeVerification:

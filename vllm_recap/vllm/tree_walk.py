@@ -39,7 +39,9 @@ class TreeWalk:
             at the root and the accepted nodes.
         child_mass: [N] float32, the probability of node n's distinct child tokens under
             softmax(processed row n): the chance that a sampled walk goes deeper at n (for an
-            argmax walk only a confidence: it goes deeper iff the argmax is a child).
+            argmax walk only a confidence: it goes deeper iff the argmax is a child). Zeros
+            from ``verify_trees`` when no request of the step samples (nothing reads it there:
+            the budget calibrates on accepted depths).
     """
 
     accepted: tuple[np.ndarray, ...]
@@ -137,12 +139,13 @@ def verify_trees(processed: torch.Tensor, tree: TreeBatch,
         tree: the trees.
         requests: as for ``process_tree_logits``.
     """
-    probs = processed.softmax(dim=-1, dtype=torch.float32)
     target = greedy_sample(processed)
     drawn = [(rs, nodes) for rs, nodes in group_by_request(tree, requests) if not rs.greedy_equivalent]
-    if drawn:
-        rows, _ = rows_and_owner(drawn)
-        target[rows] = _draw(probs, drawn)[rows]
+    if not drawn:  # argmax walks: no [N, V] softmax, the children's mass stays zero
+        return walk_targets(tree, target)
+    probs = processed.softmax(dim=-1, dtype=torch.float32)
+    rows, _ = rows_and_owner(drawn)
+    target[rows] = _draw(probs, drawn)[rows]
     return walk_targets(tree, target, children_mass(probs, tree))
 
 
