@@ -20,7 +20,7 @@ def chain_tree(n: int, score: float) -> DraftTree:
     return DraftTree(np.arange(n + 1), np.arange(-1, n), scores)
 
 
-def test_cost_model_buckets_averages_interpolates_and_extrapolates_optimistically():
+def test_cost_model_buckets_averages_interpolates_and_extrapolates():
     m = StepCostModel(ema=0.5)
     assert m.estimate(5) is None
     m.observe(1, 0.10)
@@ -28,7 +28,8 @@ def test_cost_model_buckets_averages_interpolates_and_extrapolates_optimisticall
     assert m.estimate(1) == pytest.approx(0.15)
     assert m.estimate(9) == pytest.approx(0.15)  # unmeasured larger size: as cheap as smaller
     m.observe(9, 0.30)
-    assert m.estimate(12) == pytest.approx(0.30)  # beyond the largest: as cheap as it
+    # beyond the largest: grows by the slope of the measured sizes (0.15 s per 8 tokens)
+    assert m.estimate(12) == pytest.approx(0.30 + 3 * 0.15 / 8)
     assert m.estimate(5) == pytest.approx(0.225)  # between measured sizes: interpolated
     m.observe(12, 0.12)  # a larger size measured cheaper: smaller sizes cost no more
     assert m.estimate(1) == pytest.approx(0.12) and m.estimate(9) == pytest.approx(0.12)
@@ -48,6 +49,23 @@ def test_a_measured_prefill_size_does_not_make_drafting_look_free_under_load():
     ctl = _controller_after({16: 0.10, 200: 1.0}, accept=0.3)
     trees = [chain_tree(16, 0.3) for _ in range(16)]
     assert ctl.choose(trees, fixed_tokens=0) == 0
+
+
+def test_unmeasured_drafts_under_load_cost_what_more_decode_tokens_cost():
+    """Concurrency 16: decode steps of 3 to 16 tokens measured (each token ~1.4 ms more),
+    one big prefill step, no drafted step yet. Draft tokens are priced by that slope, not as
+    free (the plain cost of 16 tokens, extrapolated flat), so first drafts accepted 40% of the
+    time are not worth a step's extra tokens and the controller does not draft."""
+    ctl = BudgetController(16, DISCOUNTS)
+    ctl.observe_step(1600, 1.3)  # the first wave's prefill (no decode context)
+    for n in range(3, 17):
+        ctl.observe_step(n, 0.025 + 0.0014 * n, context=300)
+    tree = chain_tree(16, 0.5)
+    for i in range(40):  # the first draft is accepted 40% of the time, deeper ones never
+        ctl.calibration().observe(np.arange(17), tree.scores, np.arange(1, 1 + (i % 5 < 2)))
+    assert ctl.cost.estimate(24, 300, drafts=8) == pytest.approx(
+        0.025 + 0.0014 * StepCostModel.bucket(24))
+    assert ctl.choose([tree] * 16, fixed_tokens=0, context=300) == 0
 
 
 def test_calibration_prior_undoes_discounts_and_learns():
@@ -315,7 +333,31 @@ def test_a_level_that_disappoints_its_estimates_is_chosen_less() -> None:
     assert ctl.choose(trees, fixed_tokens=0) < first
     cost_ratio, gain_ratio = ctl.outcomes.ratios(level)
     assert cost_ratio > 1.05 and gain_ratio < 0.95
-    assert ctl.outcomes.ratios(1) == (1.0, 1.0)  # never chosen: no correction
+    # never chosen: its shape's pooled correction, weaker than the level's own
+    never_cost, never_gain = ctl.outcomes.ratios(1)
+    assert 1.0 < never_cost < cost_ratio and gain_ratio < never_gain < 1.0
+    assert ctl.outcomes.ratios(1, chain=True) == (1.0, 1.0)  # another shape: none
+
+
+def test_a_bias_shared_by_every_level_stops_drafting_that_does_not_pay() -> None:
+    """Under load every level ran dearer than estimated (concurrency 16: +23% over ~15
+    levels, each chosen a few times). A level chosen for the first time carries what the
+    others measured, so once the drafted steps have shown that drafting does not pay, the
+    controller stops drafting instead of trying each level in turn."""
+    costs = {n: 0.025 + 0.0011 * max(0, n - 4) for n in range(1, 80)}
+    ctl = _controller_after(costs, accept=0.7)
+    trees = [chain_tree(16, 0.7)] * 4
+    drafted = []
+    for _ in range(40):
+        ctl.choose(trees, fixed_tokens=0)
+        d = ctl.last_decision
+        if d is None:
+            break
+        drafted.append(d.level)
+        ctl.observe_outcome(d, d.seconds * 1.6, int(d.gain / 2))
+    assert ctl.last_decision is None  # drafting stopped
+    # without the pooled correction: 24 drafted steps over 8 levels before it stops
+    assert len(drafted) <= 8, drafted
 
 
 def _chain_with_siblings(sibling_share: float) -> DraftTree:
