@@ -99,6 +99,9 @@ _ALL: list[Method] = [
            "Token Recycling: U-only adjacency + static template, same budget/policy as recap-tree"),
     Method("recap-chain", _recap(draft_mode="chain"), "RECAP single path (best chain of the tree)"),
     Method("recap-tree", _recap(), "RECAP tree, CPU defaults (node budget 16, adaptive)"),
+    Method("recap-nodraft", _fixed(0, suffix_len=0, num_speculative_tokens=1),
+           "RECAP that never drafts: its fixed per-step cost (rows, memories) on vLLM's "
+           "speculative path, the floor of what an idle controller costs"),
     Method("recap-tree-classic", _recap(**CLASSIC),
            "RECAP tree without the continuation additions (4-token earliest continuation, no "
            "shared index, uncalibrated scores), adaptive"),
