@@ -188,6 +188,25 @@ def test_drafting_must_beat_plain_decoding_by_the_margin():
     assert ctl.choose([tree], fixed_tokens=0) == 1
 
 
+def test_the_margin_grows_with_the_batch() -> None:
+    """The same expected gain, 10% above plain decoding, drafts for one request and not for
+    16 (under load estimates are mostly off by more than the gain, and a batch's run ends
+    with its slowest request)."""
+    from vllm_recap.core.budget import draft_margin
+
+    assert draft_margin(1) == pytest.approx(1.03) and draft_margin(4) == pytest.approx(1.06)
+    assert draft_margin(16) == draft_margin(64) == pytest.approx(1.18)
+    for batch, drafts in ((1, True), (16, False)):
+        ctl = _controller_after({1: 0.100}, accept=0.9)
+        tree = chain_tree(1, 0.9)
+        gain = float(ctl.expected_gains(tree)[1])
+        ctl.cost = type(ctl.cost)()
+        ctl.observe_step(batch, 0.100)
+        # one draft for every request: 10% more tokens per second than plain, as estimated
+        ctl.observe_step(2 * batch, 0.100 * (1 + gain) / 1.10)
+        assert (ctl.choose([tree] * batch, fixed_tokens=0) > 0) is drafts, batch
+
+
 def test_sampled_and_greedy_acceptance_are_calibrated_apart() -> None:
     """A sampled request accepts less for the same builder scores than a greedy one: its
     trees must be sized by its own calibration, not the greedy traffic's."""
