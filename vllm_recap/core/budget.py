@@ -48,6 +48,13 @@ DRAFT_MARGIN = 1.03
 MARGIN_PER_REQUEST = 0.01
 MAX_DRAFT_MARGIN = 1.18
 
+# Outcome correction per level (see LevelOutcomes): pseudo-steps of its prior (the pooled ratio
+# of its shape, itself shrunk to 1 with as many), the
+# per-step decay of a level's past outcomes, and the range a single step's ratio is clipped to.
+OUTCOME_PRIOR_STEPS = 3.0
+OUTCOME_DECAY = 0.95
+OUTCOME_CLIP = (0.33, 3.0)
+
 
 def draft_margin(decoding: int) -> float:
     """The margin for a step of ``decoding`` requests: 1.03 at batch 1, 1.06 at 4, 1.18 from
@@ -62,11 +69,6 @@ def draft_margin(decoding: int) -> float:
     tokens, bf16): RECAP tree drafting at the batch-1 margin ran at 0.91x of plain decoding at
     concurrency 16, while the same engine not drafting ran at 1.04x."""
     return min(MAX_DRAFT_MARGIN, DRAFT_MARGIN + MARGIN_PER_REQUEST * max(0, decoding - 1))
-# Outcome correction per level (see LevelOutcomes): pseudo-steps of its prior (ratio 1), the
-# per-step decay of a level's past outcomes, and the range a single step's ratio is clipped to.
-OUTCOME_PRIOR_STEPS = 3.0
-OUTCOME_DECAY = 0.95
-OUTCOME_CLIP = (0.33, 3.0)
 
 
 class AcceptanceCalibration:

@@ -45,6 +45,7 @@ class _CostTable:
         # Derived per context bucket, kept until the next observation: the controller asks
         # for ~15 estimates per step and the table changes once per step.
         self._curves: dict[int, tuple[list[float], list[float]]] = {}
+        self._slopes: dict[int, float | None] = {}
         self._orders: dict[int, list[int]] = {}
 
     def observe(self, key: tuple[int, int], seconds: float, step: int, ema: float,
@@ -56,6 +57,7 @@ class _CostTable:
         self.mean[key] = old + ema * (seconds - old) if blend else seconds
         self.last[key] = step
         self._curves.clear()
+        self._slopes.clear()
         self._orders.clear()
 
     def buckets_by_distance(self, ctx: int) -> list[int]:
@@ -89,15 +91,19 @@ class _CostTable:
     def slope(self, ctx: int) -> float | None:
         """Least-squares seconds per size unit over context bucket ``ctx``'s own averages
         (not the monotone curve, whose running minimum flattens it), at least 0; None with
-        fewer than two sizes."""
+        fewer than two sizes. Kept until the next observation, as the curves."""
+        if ctx in self._slopes:
+            return self._slopes[ctx]
         points = [(float(n), v) for (c, n), v in self.mean.items() if c == ctx]
-        if len(points) < 2:
-            return None
-        mx = sum(n for n, _ in points) / len(points)
-        my = sum(v for _, v in points) / len(points)
-        var = sum((n - mx) ** 2 for n, _ in points)
-        cov = sum((n - mx) * (v - my) for n, v in points)
-        return max(0.0, cov / var)
+        slope = None
+        if len(points) >= 2:
+            mx = sum(n for n, _ in points) / len(points)
+            my = sum(v for _, v in points) / len(points)
+            var = sum((n - mx) ** 2 for n, _ in points)
+            cov = sum((n - mx) * (v - my) for n, v in points)
+            slope = max(0.0, cov / var)
+        self._slopes[ctx] = slope
+        return slope
 
     def estimate(self, ctx: int, size: int) -> float | None:
         """Seconds at ``size`` from the nearest context bucket with data (None: no data).
