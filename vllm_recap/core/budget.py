@@ -48,9 +48,9 @@ DRAFT_MARGIN = 1.03
 MARGIN_PER_REQUEST = 0.01
 MAX_DRAFT_MARGIN = 1.18
 
-# Outcome correction per level (see LevelOutcomes): pseudo-steps of its prior (the pooled ratio
-# of its shape, itself shrunk to 1 with as many), the
-# per-step decay of a level's past outcomes, and the range a single step's ratio is clipped to.
+# Outcome correction per level (see LevelOutcomes): pseudo-steps of its prior (its shape's
+# pooled ratio, itself shrunk to 1 with as many), the per-step decay of past outcomes, and
+# the range a single step's ratio is clipped to.
 OUTCOME_PRIOR_STEPS = 3.0
 OUTCOME_DECAY = 0.95
 OUTCOME_CLIP = (0.33, 3.0)
