@@ -203,20 +203,24 @@ class LevelOutcomes:
         # chain -> the same sums over every level of that shape
         self._pooled: dict[bool, np.ndarray] = {}
 
+    @staticmethod
+    def _shrunk(sums, prior: tuple[float, float]) -> tuple[float, float]:
+        """(cost ratio, gain ratio) of [weight, sum cost, sum gain] sums, shrunk towards
+        ``prior`` with ``OUTCOME_PRIOR_STEPS`` pseudo-steps."""
+        w, cost, gain = sums
+        n = w + OUTCOME_PRIOR_STEPS
+        return ((cost + OUTCOME_PRIOR_STEPS * prior[0]) / n,
+                (gain + OUTCOME_PRIOR_STEPS * prior[1]) / n)
+
     def pooled_ratios(self, chain: bool = False) -> tuple[float, float]:
         """(cost ratio, gain ratio) over every level of a shape, shrunk towards 1."""
-        w, cost, gain = self._pooled.get(chain, (0.0, 0.0, 0.0))
-        n = w + OUTCOME_PRIOR_STEPS
-        return (cost + OUTCOME_PRIOR_STEPS) / n, (gain + OUTCOME_PRIOR_STEPS) / n
+        return self._shrunk(self._pooled.get(chain, (0.0, 0.0, 0.0)), (1.0, 1.0))
 
     def ratios(self, level: int, chain: bool = False) -> tuple[float, float]:
         """(cost ratio, gain ratio) of a level and shape: measured / estimated, shrunk
         towards the shape's pooled ratios."""
-        pooled_cost, pooled_gain = self.pooled_ratios(chain)
-        w, cost, gain = self._sums.get((level, chain), (0.0, 0.0, 0.0))
-        n = w + OUTCOME_PRIOR_STEPS
-        return ((cost + OUTCOME_PRIOR_STEPS * pooled_cost) / n,
-                (gain + OUTCOME_PRIOR_STEPS * pooled_gain) / n)
+        return self._shrunk(self._sums.get((level, chain), (0.0, 0.0, 0.0)),
+                            self.pooled_ratios(chain))
 
     def observe(self, decision: Decision, seconds: float, accepted: float) -> None:
         """One verified step chosen at ``decision.level``: its seconds and accepted drafts."""
