@@ -321,8 +321,9 @@ def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
     # 5. Sampled rows: temperature, min-p, top-k/top-p (Sampler.sample's order).
     samp = [(rs, nodes) for rs, nodes in groups if not rs.is_greedy]
     if samp:
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
         from vllm.v1.sample.sampler import Sampler
+
+        from vllm_recap.vllm.top_k_top_p import top_k_top_p
 
         rows_np, owner_np = rows_and_owner(samp)
         owner = torch.as_tensor(owner_np, device=dev)
@@ -342,7 +343,7 @@ def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
              if any(x < vocab for x in ks) else None)
         p = (torch.tensor([rs.top_p for rs, _ in samp], dtype=torch.float32, device=dev)[owner]
              if any(rs.top_p < 1 for rs, _ in samp) else None)
-        out[rows] = apply_top_k_top_p(sub, k, p)
+        out[rows] = top_k_top_p(sub, k, p)  # vLLM's filter, sorting only where it must
     return out
 
 

@@ -123,11 +123,30 @@ def _draw(probs: torch.Tensor, groups: list[tuple[RequestSampling, np.ndarray]])
     for rs, nodes in groups:
         if rs.generator is not None:
             rows = torch.as_tensor(nodes, device=probs.device)
-            draws[rows] = torch.multinomial(probs[rows], 1, generator=rs.generator).view(-1)
+            draws[rows] = sample_rows(probs[rows], rs.generator)
     if plain:
         rows = torch.as_tensor(np.concatenate(plain), device=probs.device)
-        draws[rows] = torch.multinomial(probs[rows], 1).view(-1)
+        draws[rows] = sample_rows(probs[rows])
     return draws.cpu().numpy()
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[M] int64: one token per row of ``probs`` [M, V] (rows sum to 1, up to rounding).
+
+    By the inverse of each row's cumulative distribution at one uniform draw per row: the
+    same distribution as ``torch.multinomial(probs, 1)``, but that costs ~1 ms a row of 49k on
+    a 2-core CPU (the walk of a 17-node sampled tree: ~17 ms, half a pass) and this ~0.03 ms.
+    A token of probability 0 is never drawn (its cumulative sum equals its predecessor's).
+    """
+    cdf = probs.to(torch.float32).cumsum(dim=-1)  # [M, V]
+    total = cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * total
+    picked = torch.searchsorted(cdf, u, right=True).view(-1)
+    over = picked >= probs.shape[1]  # u rounded up to the total: the last token of mass > 0
+    if bool(over.any()):
+        last = probs.shape[1] - 1 - (probs[over] > 0).flip(1).to(torch.int8).argmax(dim=1)
+        picked[over] = last
+    return picked
 
 
 def verify_trees(processed: torch.Tensor, tree: TreeBatch,
