@@ -13,6 +13,7 @@ from vllm_recap.vllm.layout import (as_scheduled, build_plan, chain_parents,
                                     next_prefill_tokens)
 from tests.unit.fake_engine import greedy_params
 from vllm_recap.vllm.tree_verify import prepare, write
+from vllm_recap.vllm.driver import decode_context
 from vllm_recap.vllm.verifier import compact_kv, node_tokens_of_rows, topk_rows
 
 pytestmark = pytest.mark.unit
@@ -243,6 +244,10 @@ def test_next_prefill_tokens_counts_what_is_left_of_chunked_prompts():
     assert next_prefill_tokens(plan([50, 300, 60])) == 296  # b: 444 left; capped at 256 + 40
     assert next_prefill_tokens(plan([50, 700, 60])) == 44  # b's last chunk: 1000 - 700 - 256
     assert next_prefill_tokens(plan([50, 1000, 100])) == 0  # decodes only
+    # the budget's context key: the mean KV length of the decoding requests only
+    assert decode_context(plan([50, 300, 60])) == 50.0
+    assert decode_context(plan([50, 1000, 100])) == (50 + 1000 + 100) / 3
+    assert decode_context(plan([10, 300, 60])) == 0.0  # no request decoding
 
 
 def test_topk_rows_ids_by_logit_and_softmax_over_the_k():

@@ -1391,3 +1391,54 @@ def refresh_table(stats, prior, weight, table):
     """Recomputes every cell of the builders' table from the row counts."""
     for r in range(N_ROWS):
         _refresh_row(r, stats, prior, weight, table)
+
+
+# --------------------------------------------------------------------------- acceptance calibration
+# (budget.AcceptanceCalibration's per-step arithmetic: right after the forward pass each numpy
+# call on its [depths, bins] tables cost 10-20 us, ~20 of them a step, against one call here.)
+
+@njit(cache=True, inline="always")
+def _score_bin(edges, x):
+    """np.searchsorted(edges, x, side="right") for sorted edges."""
+    s = 0
+    while s < edges.shape[0] and edges[s] <= x:
+        s += 1
+    return s
+
+
+@njit(cache=True)
+def calibration_observe(accepted, mass, decay, depths, scores, hits, edges, max_depth):
+    """Decays both [D + 1, bins] tables, adds each non-root node's score to ``mass`` and 1 to
+    ``accepted`` for each hit node (indices into the tree, root excluded), in place; the
+    additions run in node order, as ``np.add.at`` does."""
+    accepted *= decay
+    mass *= decay
+    for i in range(1, depths.shape[0]):
+        mass[min(depths[i], max_depth), _score_bin(edges, scores[i])] += scores[i]
+    for h in hits:
+        accepted[min(depths[h], max_depth), _score_bin(edges, scores[h])] += 1.0
+
+
+@njit(cache=True)
+def calibration_factors(accepted, mass, prior_mass, prior, prior_depth_mass, out):
+    """out[d, s] = (accepted + prior_mass[s] * f_d) / (mass + prior_mass[s]), f_d = the
+    depth's pooled factor (sums over its bins, shrunk to prior[d])."""
+    for d in range(accepted.shape[0]):
+        a = 0.0
+        m = 0.0
+        for s in range(accepted.shape[1]):
+            a += accepted[d, s]
+            m += mass[d, s]
+        pooled = (a + prior_depth_mass * prior[d]) / (m + prior_depth_mass)
+        for s in range(accepted.shape[1]):
+            out[d, s] = (accepted[d, s] + prior_mass[s] * pooled) / (mass[d, s] + prior_mass[s])
+
+
+@njit(cache=True)
+def calibration_probabilities(factors, edges, depths, parents, scores, max_depth, out):
+    """out[:n] = P(node accepted): min(1, factor * score), root 1, never above the parent's."""
+    out[0] = 1.0
+    for i in range(1, depths.shape[0]):
+        p = min(1.0, factors[min(depths[i], max_depth), _score_bin(edges, scores[i])] * scores[i])
+        q = out[parents[i]]
+        out[i] = p if p < q else q

@@ -36,6 +36,7 @@ from itertools import accumulate
 
 import numpy as np
 
+from vllm_recap.core import _kernels as kernels
 from vllm_recap.core.config import MAX_DEPTH, discount_table
 from vllm_recap.core.step_cost import StepCostModel
 from vllm_recap.core.tree import DraftTree, first_path_nodes, tree_depths
@@ -127,22 +128,17 @@ class AcceptanceCalibration:
         every fused probability is exact, which at depth 4-6 overrated the sparse bins of the
         large trees the controller verifies by ~2x under load."""
         if self._factors is None:
-            prior_mass = self._prior_mass[None, :]
-            self._factors = ((self.accepted + prior_mass * self.depth_factors()[:, None])
-                             / (self.mass + prior_mass))
+            self._factors = np.empty_like(self.accepted)
+            kernels.calibration_factors(self.accepted, self.mass, self._prior_mass, self.prior,
+                                        float(self.prior_depth_mass), self._factors)
         return self._factors
 
     def observe(self, depths: np.ndarray, scores: np.ndarray, accepted: np.ndarray) -> None:
         """One verified tree: node depths/scores [n] (root included) and the indices of its
         accepted nodes (root excluded)."""
         self._factors = None
-        self.accepted *= self.decay
-        self.mass *= self.decay
-        d = np.minimum(depths[1:], MAX_DEPTH)
-        s = self.bins(scores[1:])
-        np.add.at(self.mass, (d, s), scores[1:])
-        hit = np.asarray(accepted, np.int64)
-        np.add.at(self.accepted, (d[hit - 1], s[hit - 1]), 1.0)
+        kernels.calibration_observe(self.accepted, self.mass, float(self.decay), _ints(depths),
+                                    _floats(scores), _ints(accepted).reshape(-1), self.EDGES, MAX_DEPTH)
 
     def node_probabilities(self, depths: np.ndarray, parents: np.ndarray,
                            scores: np.ndarray) -> np.ndarray:
@@ -152,14 +148,20 @@ class AcceptanceCalibration:
     def probability_list(self, depths: np.ndarray, parents: np.ndarray,
                          scores: np.ndarray) -> list[float]:
         """:meth:`node_probabilities` as a Python list (what the controller works on)."""
-        d = np.minimum(depths, MAX_DEPTH)
-        p = np.minimum(1.0, self.factors()[d, self.bins(scores)] * scores).tolist()
-        p[0] = 1.0
-        # parents first: one pass (Python floats; numpy scalar indexing costs ~10x more here)
-        for i, parent in enumerate(parents.tolist()[1:], 1):
-            if p[parent] < p[i]:
-                p[i] = p[parent]
-        return p
+        depths = _ints(depths)
+        out = np.empty(depths.shape[0])
+        kernels.calibration_probabilities(self.factors(), self.EDGES, depths, _ints(parents),
+                                          _floats(scores), MAX_DEPTH, out)
+        return out.tolist()
+
+
+def _ints(a) -> np.ndarray:
+    """int64 array (a no-op for the trees' own arrays: the kernels compile for int64 only)."""
+    return a if isinstance(a, np.ndarray) and a.dtype == np.int64 else np.asarray(a, np.int64)
+
+
+def _floats(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) and a.dtype == np.float64 else np.asarray(a, np.float64)
 
 
 @dataclass(frozen=True)

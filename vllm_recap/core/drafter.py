@@ -560,4 +560,9 @@ def warmup() -> float:
     store.row((1, 2, 3))
     SuffixAutomaton(np.arange(3 * SuffixAutomaton.INITIAL_TOKENS) % 7).continuation(4)  # + rehash
     topk.warmup()  # the engine's top-K rows
+    from vllm_recap.core.budget import AcceptanceCalibration  # the budget's calibration kernels
+
+    calibration = AcceptanceCalibration(RecapConfig().depth_discounts)
+    calibration.observe(tree.depths, tree.scores, np.arange(1, tree.num_nodes))
+    calibration.probability_list(tree.depths, tree.parents, tree.scores)
     return time.perf_counter() - t0

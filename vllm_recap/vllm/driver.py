@@ -65,8 +65,9 @@ PROBE_WINDOW = 2
 def decode_context(plan) -> float:
     """Mean context length (tokens in the KV cache) of the step's decoding requests, the
     second key of the budget's cost model; 0 in a step of prefill chunks only."""
-    decoding = plan.num_computed >= plan.num_prompt
-    return float(plan.num_computed[decoding].mean()) if decoding.any() else 0.0
+    computed = [c for c, p in zip(plan.num_computed.tolist(), plan.num_prompt.tolist())
+                if c >= p]  # plain Python: see node_tokens_of_rows
+    return sum(computed) / len(computed) if computed else 0.0
 
 
 @dataclass(frozen=True)

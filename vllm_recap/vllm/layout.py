@@ -131,7 +131,10 @@ def next_prefill_tokens(plan: StepPlan) -> int:
     """Prompt tokens the next step will likely run besides the decodes: what is left of the
     prompts still being prefilled, at most this step's prefill chunk (the scheduler's token
     budget keeps chunks about that size). Arrivals in the next step cannot be known."""
-    done = plan.num_computed + plan.num_scheduled
-    partial = plan.num_computed < plan.num_prompt
-    left = int(np.maximum(plan.num_prompt - done, 0)[partial].sum())
-    return min(left, int(plan.num_scheduled[partial].sum()))
+    left = chunk = 0  # plain Python over the batch: a few numbers (see node_tokens_of_rows)
+    for computed, scheduled, prompt in zip(plan.num_computed.tolist(),
+                                           plan.num_scheduled.tolist(), plan.num_prompt.tolist()):
+        if computed < prompt:
+            left += max(prompt - computed - scheduled, 0)
+            chunk += scheduled
+    return min(left, chunk)
