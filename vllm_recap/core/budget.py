@@ -111,16 +111,6 @@ class AcceptanceCalibration:
         self.prior_depth_mass = prior_depth_mass
         self._factors: np.ndarray | None = None  # cached until the next observation
 
-    @classmethod
-    def bins(cls, scores: np.ndarray) -> np.ndarray:
-        """[n] score bin of each score."""
-        return np.searchsorted(cls.EDGES, scores, side="right")
-
-    def depth_factors(self) -> np.ndarray:
-        """[MAX_DEPTH + 1] one factor per depth over all its bins (prior: the discounts)."""
-        return ((self.accepted.sum(axis=1) + self.prior_depth_mass * self.prior)
-                / (self.mass.sum(axis=1) + self.prior_depth_mass))
-
     def factors(self) -> np.ndarray:
         """[MAX_DEPTH + 1, bins] score -> probability factor (depth 0 unused).
 
