@@ -458,7 +458,10 @@ class StepDriver:
         ``room`` drafts); its best chain alone for requests that cannot verify a tree."""
         tree = self.drafter.propose(req_id, node_budget=node_budget)
         params = getattr(runner.requests.get(req_id), "sampling_params", None)
-        if not self.tree_mode or tree_unsupported_reason(params) is not None:
+        record = self.records.get(req_id)
+        if record.tree_check is None or record.tree_check[0] is not params:
+            record.tree_check = (params, tree_unsupported_reason(params) is None)
+        if not self.tree_mode or not record.tree_check[1]:
             tree = tree.truncate(1 + tree.chain_len)  # the best chain sits at 1..L
         return tree.truncate(1 + room)
 
