@@ -1,0 +1,108 @@
+"""RECAP's own work per engine step, split by function, on Spec-Bench prompts at batch 1.
+
+    python -m benchmarks.proposer_profile                       # default tree, 13 prompts x 64
+    python -m benchmarks.proposer_profile --spec '{"method": "recap", "budget_policy": "fixed",
+        "node_budget": 8}' --prompts 8                           # same steps for two codes
+    python -m benchmarks.proposer_profile --sampling qwen_text
+
+Prints the p50 / mean / p99 of ``RecapProposer.step_seconds`` (what ``benchmarks.run`` reports
+as proposer cost) and, per timed driver function, its p50 / mean / total. The timers add ~1 us
+per call. To compare two codes, run this from each checkout in turn on the same prompts (the
+adaptive budget drafts on different steps from run to run, so pin a fixed budget with
+``--spec``); the host's load moves every figure, so alternate the runs.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
+
+# Driver methods (attribute paths from the StepDriver) and module functions the driver calls.
+METHODS = ("_advance", "_draft", "budget.choose", "budget.observe_tree", "drafter.propose",
+           "drafter.observe", "drafter.commit", "seeder.plan")
+FUNCTIONS = ("topk_rows", "node_tokens_of_rows", "prepare_trees", "write_trees", "compact_kv",
+             "build_plan", "rewrite_positions", "empty_output")
+
+
+def _timed(fn, times: list[float]):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - t)
+    return wrapper
+
+
+def instrument(driver) -> dict[str, list[float]]:
+    """Wraps the driver's timed pieces in place; returns name -> seconds per call."""
+    from vllm_recap.vllm import driver as driver_module
+
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for path in METHODS:
+        *parents, name = path.split(".")
+        obj = driver
+        for p in parents:
+            obj = getattr(obj, p)
+        setattr(obj, name, _timed(getattr(obj, name), times[path]))
+    for name in FUNCTIONS:
+        setattr(driver_module, name, _timed(getattr(driver_module, name), times[name]))
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--spec", default='{"method": "recap"}', help="speculative_config (JSON)")
+    ap.add_argument("--prompts", type=int, default=13, help="Spec-Bench prompts, one per category")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--sampling", default="greedy", help="a setting of benchmarks/sampling.py")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    from vllm import LLM, TokensPrompt
+
+    from benchmarks.harness import model_runner
+    from benchmarks.machine import cpu_flags, cpu_model
+    from benchmarks.sampling import job_sampling, sampling_params
+    from benchmarks.workloads import spec_bench_prompts
+    from vllm_recap.models.engine import engine_kwargs, shutdown_llm
+    from vllm_recap.models.gguf import smollm2_path
+
+    llm = LLM(**engine_kwargs(str(smollm2_path()), dtype=args.dtype,
+                              speculative_config=json.loads(args.spec)))
+    prompts = [TokensPrompt(prompt_token_ids=p.token_ids)
+               for p in spec_bench_prompts(llm.get_tokenizer(), 1)[:args.prompts]]
+    params = sampling_params(job_sampling(args.sampling, 0), args.max_new_tokens, True)
+    proposer = model_runner(llm).drafter
+    times = instrument(proposer.recap_hooks)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    proposer.reset_figures()
+    for v in times.values():
+        v.clear()
+    t0 = time.perf_counter()
+    for prompt in prompts:  # one at a time: batch 1
+        llm.generate([prompt], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    steps = np.asarray(proposer.step_seconds) * 1e3
+    isa = ", ".join(f for f in cpu_flags() if f.startswith("avx"))
+    print(f"{cpu_model()} ({isa}), dtype {args.dtype}, sampling {args.sampling}, spec {args.spec}")
+    print(f"wall {wall:.1f} s, {len(steps)} steps; RECAP work per step: p50 "
+          f"{np.percentile(steps, 50):.3f} ms, mean {steps.mean():.3f} ms, p99 "
+          f"{np.percentile(steps, 99):.3f} ms")
+    for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        if v:
+            ms = np.asarray(v) * 1e3
+            print(f"  {name:24s} calls {len(ms):6d}  p50 {np.percentile(ms, 50):.3f}  mean "
+                  f"{ms.mean():.3f}  total {ms.sum():.0f} ms")
+    shutdown_llm(llm)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
