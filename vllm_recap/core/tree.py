@@ -85,6 +85,8 @@ class DraftTree:
     def truncate(self, n_nodes: int) -> DraftTree:
         """The first `n_nodes` nodes, root included (a valid tree since parents come first)."""
         n = max(1, min(int(n_nodes), self.num_nodes))
+        if n == self.num_nodes:
+            return self  # trees are not modified after they are built (as best_first)
         return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n],
                          min(self.chain_len, n - 1), self.depths[:n],
                          None if self.sources is None else self.sources[:n])
