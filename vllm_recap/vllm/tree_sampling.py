@@ -16,7 +16,8 @@ allowed-ids mask, bad words, non-argmax-invariant logits processors (MinTokens, 
 ``BUILTIN_LOGITS_PROCESSORS`` order), penalties (repetition, frequency, presence: vLLM's own
 ``apply_penalties``); then greedy rows take the argmax; sampled rows are divided by their
 temperature, min-p filtered (``MinPLogitsProcessor.apply``'s ops), top-k/top-p filtered (vLLM's
-``apply_top_k_top_p``) and sampled from the softmax. (vLLM's chain rejection sampler applies
+``apply_top_k_top_p`` rules, bit for bit, from each row's k largest logits where that decides
+them: :mod:`vllm_recap.vllm.top_k_top_p`) and sampled from the softmax. (vLLM's chain rejection sampler applies
 penalties before the masks and skips logit bias and min-p at draft positions; the masks commute
 with the penalties, and a speculative engine refuses logit_bias and min_p requests, so chains
 and this module agree wherever both run.)
