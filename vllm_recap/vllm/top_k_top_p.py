@@ -52,15 +52,15 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
         return apply_top_k_top_p(logits, k, p)
     rows = torch.nonzero(small).view(-1)
     kept, exact = _small_rows(logits.index_select(0, rows), k[rows].to(torch.long), p[rows])
-    out = logits if bool(small.all()) else logits.clone()
-    done = rows[exact]
-    out[done] = kept[exact]
+    # In place, as vLLM's: the decided rows and the rest are disjoint, and ``logits[rest]``
+    # reads a copy of the rest.
+    logits[rows[exact]] = kept[exact]
     rest = torch.nonzero(~small).view(-1)
     if not bool(exact.all()):
         rest = torch.cat([rest, rows[~exact]])
     if rest.numel():
-        out[rest] = apply_top_k_top_p(logits[rest], k[rest], p[rest])
-    return out
+        logits[rest] = apply_top_k_top_p(logits[rest], k[rest], p[rest])
+    return logits
 
 
 def _small_rows(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor
