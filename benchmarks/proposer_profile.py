@@ -26,7 +26,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs 
 METHODS = ("_advance", "_draft", "budget.choose", "budget.observe_tree", "drafter.propose",
            "drafter.observe", "drafter.commit", "seeder.plan")
 FUNCTIONS = ("topk_rows", "node_tokens_of_rows", "prepare_trees", "write_trees", "compact_kv",
-             "build_plan", "rewrite_positions", "empty_output")
+             "build_plan", "rewrite_positions", "tree_output")
 
 
 def _timed(fn, times: list[float]):

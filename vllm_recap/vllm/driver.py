@@ -29,13 +29,13 @@ from vllm_recap.core.tree import DraftTree
 from vllm_recap.patches.runner import verify_runner
 from vllm_recap.vllm.clock import StepClock
 from vllm_recap.vllm.context import StepContext, StepRows, StepScope
-from vllm_recap.vllm.eligibility import greedy_equivalent, surely_finished, tree_unsupported_reason
+from vllm_recap.vllm.eligibility import SamplingFacts, surely_finished
 from vllm_recap.vllm.layout import (as_scheduled, build_plan, next_prefill_tokens,
                                     rewrite_positions)
 from vllm_recap.vllm.metrics import TreeMetrics, log_idle
 from vllm_recap.vllm.records import RequestBook
 from vllm_recap.vllm.seeding import MAX_ROWS_PER_STEP, PromptSeeder
-from vllm_recap.vllm.tree_verify import empty_output
+from vllm_recap.vllm.tree_verify import tree_output
 from vllm_recap.vllm.tree_verify import prepare as prepare_trees
 from vllm_recap.vllm.tree_verify import write as write_trees
 from vllm_recap.vllm.verifier import (compact_kv, node_tokens_of_rows, top1_is_argmax,
@@ -268,37 +268,36 @@ class StepDriver:
         rows = StepRows(ids, probs, node_tokens_of_rows(plan, runner.input_ids.cpu))
         trees = None
         if plan.trees:  # before vLLM's sampler, which may edit the logits in place
+            facts = [self._facts(runner, plan.req_ids[t.batch_index]) for t in plan.trees]
             trees = prepare_trees(plan, logits, rows.node_tokens, runner,
-                                  keep_rows=self._wants_logprobs(runner, plan),
+                                  keep_rows=any(f.logprobs for f in facts),
+                                  plain=all(f.plain for f in facts),
                                   argmax=ids[:, 0] if top1_is_argmax(logits) else None,
                                   top_k=self.config.top_k, top_ids=ids)
             if trees.memory_rows is not None:  # rows of processed distributions replace raw
                 flat, processed_ids, processed_probs = trees.memory_rows
                 ids[flat], probs[flat] = processed_ids, processed_probs
-        t1 = time.perf_counter()
         if trees is not None and len(plan.trees) == len(plan.req_ids) and trees.raw is None:
             # Every request verifies a tree and none wants logprobs: vLLM's rejection sampler
             # would process every draft row as a chain (top-k/top-p sorts over the vocabulary
-            # included) only to be overwritten. Its output layout is built here instead.
-            out = empty_output(plan, logits.device)
+            # included) only to be overwritten. Its output is built here instead.
+            out = tree_output(trees, plan, logits.device)
+            t1 = t2 = time.perf_counter()
         else:
+            t1 = time.perf_counter()
             out = original(logits, spec_decode_metadata)
-        t2 = time.perf_counter()
+            t2 = time.perf_counter()
+            if trees is not None:
+                write_trees(trees, plan, out, runner.model_config.logprobs_mode)
         if trees is not None:
-            write_trees(trees, plan, out, runner.model_config.logprobs_mode)
             ctx.accepted = trees.accepted(plan)
-            self.stats["off_chain_accepts"] += sum(
-                int(np.any(a != np.arange(1, len(a) + 1))) for a in ctx.accepted.values())
+            self.stats["off_chain_accepts"] += sum(  # plain Python: a few nodes per tree
+                a.tolist() != list(range(1, len(a) + 1)) for a in ctx.accepted.values())
             self.stats["kv_compactions"] += compact_kv(ctx.kv_stash, ctx.accepted)
         ctx.kv_stash.clear()
         ctx.rows = rows
         ctx.timing.work += (t1 - t0) + (time.perf_counter() - t2)
         return out
-
-    @staticmethod
-    def _wants_logprobs(runner, plan) -> bool:
-        return any(getattr(runner.requests[plan.req_ids[t.batch_index]].sampling_params,
-                           "logprobs", None) is not None for t in plan.trees)
 
     def input_fits(self, runner, common_attn_metadata) -> bool:
         """RECAP runs every step: it caps each request's drafts by its own room to
@@ -457,19 +456,21 @@ class StepDriver:
         """The request's full tree (``node_budget`` nodes plus the suffix path, at most
         ``room`` drafts); its best chain alone for requests that cannot verify a tree."""
         tree = self.drafter.propose(req_id, node_budget=node_budget)
-        params = getattr(runner.requests.get(req_id), "sampling_params", None)
-        record = self.records.get(req_id)
-        if record.tree_check is None or record.tree_check[0] is not params:
-            record.tree_check = (params, tree_unsupported_reason(params) is None)
-        if not self.tree_mode or not record.tree_check[1]:
+        if not self.tree_mode or not self._facts(runner, req_id).trees:
             tree = tree.truncate(1 + tree.chain_len)  # the best chain sits at 1..L
         return tree.truncate(1 + room)
 
-    @staticmethod
-    def _kind(runner, req_id: str) -> str:
-        """The request's acceptance rule, for the budget's calibration."""
+    def _facts(self, runner, req_id: str) -> SamplingFacts:
+        """The request's sampling facts, kept on its record while its params stay the same."""
         params = getattr(runner.requests.get(req_id), "sampling_params", None)
-        return "greedy" if greedy_equivalent(params) else "sampled"
+        record = self.records.get(req_id)
+        if record.sampling is None or record.sampling.params is not params:
+            record.sampling = SamplingFacts.of(params)
+        return record.sampling
+
+    def _kind(self, runner, req_id: str) -> str:
+        """The request's acceptance rule, for the budget's calibration."""
+        return self._facts(runner, req_id).kind
 
     @staticmethod
     def _depths(ctx: StepContext, req_id: str, parents: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ import torch
 
 from vllm_recap.core.drafter import Drafter
 from vllm_recap.core.tree import DraftTree
+from vllm_recap.vllm.eligibility import SamplingFacts
 
 
 @dataclass
@@ -68,8 +69,9 @@ class RequestRecord:
             ``layout.as_scheduled``), consumed with the proposal.
         num_committed: tokens in the drafter's history (0 before the drafter started it).
         seed: prompt rows waiting to be computed, or for the drafter to start the request.
-        tree_check: (the request's sampling params, whether they allow trees), kept so the
-            allow-list is not re-read every step (~25 us a step at batch 1).
+        sampling: what the driver reads from the request's sampling params (see
+            :class:`~vllm_recap.vllm.eligibility.SamplingFacts`), for the params it was
+            worked out from.
     """
 
     salt: str | None = None
@@ -77,7 +79,7 @@ class RequestRecord:
     laid: DraftTree | None = None
     num_committed: int = 0
     seed: PromptSeed = field(default_factory=PromptSeed)
-    tree_check: tuple[object, bool] | None = None
+    sampling: SamplingFacts | None = None
 
 
 class RequestBook:

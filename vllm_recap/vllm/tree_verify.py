@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from vllm.v1.outputs import SamplerOutput
 
 from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.tree_sampling import (RequestSampling, TreeBatch, penalised_top_argmax,
@@ -74,7 +75,8 @@ def request_sampling(runner, req_id: str) -> RequestSampling:
 
 def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runner,
             keep_rows: bool, argmax: np.ndarray | None = None,
-            top_k: int = 0, top_ids: np.ndarray | None = None) -> TreeVerification:
+            top_k: int = 0, top_ids: np.ndarray | None = None,
+            plain: bool = False) -> TreeVerification:
     """Processes and walks every tree of the step (before vLLM's sampler runs).
 
     Args:
@@ -88,8 +90,20 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         top_k: K of the memory rows taken from processed distributions (0: none).
         top_ids: [R, K] each logits row's raw top-K ids, largest first, when the caller has
             them (the memory rows): penalised greedy trees are then decided from them.
+        plain: every tree request is plain greedy
+            (:attr:`~vllm_recap.vllm.tree_sampling.RequestSampling.is_plain`; the caller
+            keeps that per request): their sampling state is then not read at all.
     """
     starts = plan.logits_starts
+    if plain and not keep_rows:
+        # Plain greedy trees (the common case): the raw rows' argmax decides; no copy of the
+        # [N, V] rows, no softmax, and no per-request sampling state (~50 us a step).
+        first = starts.tolist()
+        flat = [j for t in plan.trees
+                for j in range(first[t.batch_index], first[t.batch_index] + t.num_nodes)]
+        targets = (argmax[flat] if argmax is not None
+                   else row_argmax(logits[torch.tensor(flat, device=logits.device)]))
+        return _walk_plain(plan, node_tokens[flat], targets)
     requests: list[RequestSampling | None] = [None] * len(plan.req_ids)
     for tree in plan.trees:
         requests[tree.batch_index] = request_sampling(runner, plan.req_ids[tree.batch_index])
@@ -222,10 +236,14 @@ def write(ver: TreeVerification, plan: StepPlan, output, logprobs_mode: str) -> 
     sampled = output.sampled_token_ids
     width = sampled.shape[1]
     tokens = ver.tokens
-    for tree, path in zip(plan.trees, tokens):
-        row = torch.full((width,), PLACEHOLDER, dtype=sampled.dtype)
-        row[:len(path)] = torch.tensor(path, dtype=sampled.dtype)
-        sampled[tree.batch_index] = row.to(sampled.device)
+    rows = _padded(tokens, width)
+    if sampled.device.type == "cpu":  # numpy rows: after the forward each torch op costs ~20 us
+        view = sampled.numpy()
+        for tree, row in zip(plan.trees, rows):
+            view[tree.batch_index] = row
+    else:
+        index = torch.tensor([t.batch_index for t in plan.trees], device=sampled.device)
+        sampled[index] = torch.tensor(rows, dtype=sampled.dtype).to(sampled.device)
     lp = output.logprobs_tensors
     if lp is None or ver.raw is None:
         return
@@ -239,12 +257,19 @@ def write(ver: TreeVerification, plan: StepPlan, output, logprobs_mode: str) -> 
     lp.selected_token_ranks[dest] = ours.selected_token_ranks.to(lp.selected_token_ranks.dtype)
 
 
-def empty_output(plan: StepPlan, device: torch.device):
-    """vLLM's ``SamplerOutput`` for a step whose every request is a tree (no logprobs):
-    ``sampled_token_ids`` [B, max_spec + 1] of -1, for :func:`write` to fill."""
-    from vllm.v1.outputs import SamplerOutput
-
+def tree_output(ver: TreeVerification, plan: StepPlan, device: torch.device):
+    """vLLM's ``SamplerOutput`` for a step whose every request verified a tree (no logprobs):
+    ``sampled_token_ids`` [B, max_spec + 1], each row the request's accepted path then its
+    committed token, -1 padded (what :func:`write` puts into vLLM's own output), made in one
+    tensor call."""
     width = int(plan.num_drafts.max()) + 1
-    tokens = torch.full((len(plan.req_ids), width), PLACEHOLDER, dtype=torch.int32,
-                        device=device)
-    return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
+    rows = [[]] * len(plan.req_ids)
+    for tree, row in zip(plan.trees, _padded(ver.tokens, width)):
+        rows[tree.batch_index] = row
+    return SamplerOutput(sampled_token_ids=torch.tensor(rows, dtype=torch.int32, device=device),
+                         logprobs_tensors=None)
+
+
+def _padded(paths: list[list[int]], width: int) -> list[list[int]]:
+    """Each path (accepted tokens then the committed one) padded with -1 to ``width``."""
+    return [path + [PLACEHOLDER] * (width - len(path)) for path in paths]
