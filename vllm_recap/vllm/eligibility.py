@@ -10,7 +10,7 @@ vLLM supports.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: below it a temperature means greedy
@@ -99,8 +99,10 @@ class SamplingFacts:
     Attributes:
         params: the params these facts are of (identity decides whether they still hold).
         trees: the request may verify a tree (:func:`tree_unsupported_reason` is None).
-        plain: plain greedy, nothing to process: the raw rows' argmax decides a tree walk
-            (:attr:`~vllm_recap.vllm.tree_sampling.RequestSampling.is_plain`).
+        plain: greedy-equivalent with nothing else to process: the raw rows' argmax decides
+            a tree walk when no logprobs are kept (temperature and top-k/p do not move the
+            argmax; :attr:`~vllm_recap.vllm.tree_sampling.RequestSampling.is_plain` at
+            temperature 0).
         kind: the acceptance rule, for the budget's calibration: "greedy" when the argmax
             decides (:func:`greedy_equivalent`), else "sampled".
         logprobs: the request asks for sample logprobs (tree rows are then kept for them).
@@ -116,7 +118,9 @@ class SamplingFacts:
     def of(cls, params: Any) -> SamplingFacts:
         from vllm_recap.vllm.tree_sampling import RequestSampling
 
-        plain = params is None or RequestSampling.from_params(params, (), ()).is_plain
+        state = None if params is None else RequestSampling.from_params(params, (), ())
+        plain = state is None or (state.greedy_equivalent
+                                  and replace(state, temperature=0.0).is_plain)
         return cls(params, tree_unsupported_reason(params) is None, plain,
                    "greedy" if greedy_equivalent(params) else "sampled",
                    getattr(params, "logprobs", None) is not None)

@@ -90,9 +90,9 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         top_k: K of the memory rows taken from processed distributions (0: none).
         top_ids: [R, K] each logits row's raw top-K ids, largest first, when the caller has
             them (the memory rows): penalised greedy trees are then decided from them.
-        plain: every tree request is plain greedy
-            (:attr:`~vllm_recap.vllm.tree_sampling.RequestSampling.is_plain`; the caller
-            keeps that per request): their sampling state is then not read at all.
+        plain: every tree request is greedy-equivalent with nothing else to process
+            (:attr:`~vllm_recap.vllm.eligibility.SamplingFacts.plain`, kept per request by
+            the caller): without ``keep_rows`` their sampling state is then not read at all.
     """
     starts = plan.logits_starts
     if plain and not keep_rows:
