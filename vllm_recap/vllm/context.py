@@ -47,26 +47,6 @@ class TreeSlot:
         return int(self.parents.shape[0])
 
 
-@dataclass(frozen=True)
-class WalkSlot:
-    """One request whose rows RECAP's sampler walks though it verifies no tree: a chain of
-    drafts, or a single row (no drafts, or a prefill chunk's last token). See
-    ``StepDriver._walk_slots``: when every request of a step may, the whole step is sampled
-    by the tree path and vLLM's sampler is skipped.
-
-    Attributes:
-        batch_index: the request's row in vLLM's input batch.
-        parents: [1 + drafts] its chain's parents (-1, 0, 1, ...).
-    """
-
-    batch_index: int
-    parents: np.ndarray
-
-    @property
-    def num_nodes(self) -> int:
-        return int(self.parents.shape[0])
-
-
 @dataclass
 class StepPlan:
     """The verification layout of one engine step.

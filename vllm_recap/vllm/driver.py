@@ -14,7 +14,6 @@ the engine-free algorithm lives in the :class:`~vllm_recap.core.drafter.Drafter`
 """
 from __future__ import annotations
 
-import copy
 import functools
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from vllm_recap.core.drafter import Drafter
 from vllm_recap.core.tree import DraftTree
 from vllm_recap.patches.runner import verify_runner
 from vllm_recap.vllm.clock import StepClock
-from vllm_recap.vllm.context import StepContext, StepPlan, StepRows, StepScope, WalkSlot
+from vllm_recap.vllm.context import StepContext, StepRows, StepScope
 from vllm_recap.vllm.eligibility import SamplingFacts, surely_finished
 from vllm_recap.vllm.layout import (as_scheduled, build_plan, next_prefill_tokens,
                                     rewrite_positions)
@@ -134,7 +133,7 @@ class StepDriver:
         self.adaptive = config.budget_policy is BudgetPolicy.ADAPTIVE
         self.metrics = TreeMetrics()
         self.stats = {"steps": 0, "idle_steps": 0, "tree_requests": 0, "off_chain_accepts": 0,
-                      "kv_compactions": 0, "resynced": 0, "steps_without_vllm_sampler": 0}
+                      "kv_compactions": 0, "resynced": 0}
         self._quiet = 0  # consecutive steps without scheduled drafts
         self._probe_every = PROBE_EVERY  # idle steps between probes
         self._since_probe = 0  # idle or probing steps since the last probe window began
@@ -268,10 +267,9 @@ class StepDriver:
         ids, probs = topk_rows(logits, self.config.top_k)
         rows = StepRows(ids, probs, node_tokens_of_rows(plan, runner.input_ids.cpu))
         trees = None
-        walked = self._walk_plan(runner, plan)
-        if walked.trees:  # before vLLM's sampler, which may edit the logits in place
-            facts = [self._facts(runner, plan.req_ids[t.batch_index]) for t in walked.trees]
-            trees = prepare_trees(walked, logits, rows.node_tokens, runner,
+        if plan.trees:  # before vLLM's sampler, which may edit the logits in place
+            facts = [self._facts(runner, plan.req_ids[t.batch_index]) for t in plan.trees]
+            trees = prepare_trees(plan, logits, rows.node_tokens, runner,
                                   keep_rows=any(f.logprobs for f in facts),
                                   plain=all(f.plain for f in facts),
                                   argmax=ids[:, 0] if top1_is_argmax(logits) else None,
@@ -279,21 +277,20 @@ class StepDriver:
             if trees.memory_rows is not None:  # rows of processed distributions replace raw
                 flat, processed_ids, processed_probs = trees.memory_rows
                 ids[flat], probs[flat] = processed_ids, processed_probs
-        if trees is not None and len(walked.trees) == len(plan.req_ids) and trees.raw is None:
-            # Every request was walked and none wants logprobs: vLLM's sampler would process
-            # every row again (on CPU its top-p sorts the whole vocabulary, ~3 ms a row of
-            # 49k) only to be overwritten. Its output is built here instead.
-            out = tree_output(trees, walked, logits.device)
-            self.stats["steps_without_vllm_sampler"] += 1
+        if trees is not None and len(plan.trees) == len(plan.req_ids) and trees.raw is None:
+            # Every request verifies a tree and none wants logprobs: vLLM's rejection sampler
+            # would process every draft row as a chain (top-k/top-p sorts over the vocabulary
+            # included) only to be overwritten. Its output is built here instead.
+            out = tree_output(trees, plan, logits.device)
             t1 = t2 = time.perf_counter()
         else:
             t1 = time.perf_counter()
             out = original(logits, spec_decode_metadata)
             t2 = time.perf_counter()
             if trees is not None:
-                write_trees(trees, walked, out, runner.model_config.logprobs_mode)
+                write_trees(trees, plan, out, runner.model_config.logprobs_mode)
         if trees is not None:
-            ctx.accepted = trees.accepted(walked)
+            ctx.accepted = trees.accepted(plan)
             self.stats["off_chain_accepts"] += sum(  # plain Python: a few nodes per tree
                 a.tolist() != list(range(1, len(a) + 1)) for a in ctx.accepted.values())
             self.stats["kv_compactions"] += compact_kv(ctx.kv_stash, ctx.accepted)
@@ -301,27 +298,6 @@ class StepDriver:
         ctx.rows = rows
         ctx.timing.work += (t1 - t0) + (time.perf_counter() - t2)
         return out
-
-    def _walk_plan(self, runner, plan: StepPlan) -> StepPlan:
-        """The plan whose ``trees`` RECAP's sampler walks: the step's trees, or, when every
-        request of the step may verify a tree and none asks for logprobs, every request --
-        chains and single rows as :class:`~vllm_recap.vllm.context.WalkSlot` -- so vLLM's
-        sampler need not run at all. A chain is a tree with one path: the walk accepts what
-        vLLM's rejection sampler accepts for one-hot drafts, with the same distribution
-        (argmax for greedy-equivalent requests), from the same processed rows; under top-p
-        it skips vLLM's CPU sort of every row (3.2 ms for one row of 49k on the 2-core
-        CPU, about a tenth of a SmolLM2 pass), and for greedy chains vLLM's rejection
-        sampler (~1-2 ms a step of 5-17 rows)."""
-        n = len(plan.req_ids)
-        if len(plan.trees) == n:
-            return plan
-        facts = [self._facts(runner, r) for r in plan.req_ids]
-        if not all(f.trees and not f.logprobs for f in facts):
-            return plan
-        trees = plan.tree_by_batch_index()
-        walked = copy.copy(plan)  # keeps the cached logits offsets
-        walked.trees = [trees.get(i) or WalkSlot(i, plan.parents[i]) for i in range(n)]
-        return walked
 
     def input_fits(self, runner, common_attn_metadata) -> bool:
         """RECAP runs every step: it caps each request's drafts by its own room to

@@ -80,9 +80,7 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
     """Processes and walks every tree of the step (before vLLM's sampler runs).
 
     Args:
-        plan: the step layout; ``plan.trees`` (non-empty) are the requests walked: the
-            step's trees, and with them the step's chains and single rows
-            (:class:`~vllm_recap.vllm.context.WalkSlot`) when every request is walked.
+        plan: the step layout (``plan.trees`` non-empty).
         logits: [R, V] the step's logits (1 + drafts rows per request).
         node_tokens: [R] the token at each logits row.
         runner: vLLM's model runner (``requests``: sampling params, tokens, generator).
