@@ -38,8 +38,8 @@ from vllm_recap.vllm.seeding import MAX_ROWS_PER_STEP, PromptSeeder
 from vllm_recap.vllm.tree_verify import tree_output
 from vllm_recap.vllm.tree_verify import prepare as prepare_trees
 from vllm_recap.vllm.tree_verify import write as write_trees
-from vllm_recap.vllm.verifier import (compact_kv, node_tokens_of_rows, top1_is_argmax,
-                                      topk_rows)
+from vllm_recap.vllm.verifier import (compact_kv, node_tokens_of_rows, off_chain,
+                                      top1_is_argmax, topk_rows)
 
 # What the driver reads from vLLM's model runner (checked once, at the first step).
 RUNNER_ATTRIBUTES = (
@@ -291,8 +291,7 @@ class StepDriver:
                 write_trees(trees, plan, out, runner.model_config.logprobs_mode)
         if trees is not None:
             ctx.accepted = trees.accepted(plan)
-            self.stats["off_chain_accepts"] += sum(  # plain Python: a few nodes per tree
-                a.tolist() != list(range(1, len(a) + 1)) for a in ctx.accepted.values())
+            self.stats["off_chain_accepts"] += sum(map(off_chain, ctx.accepted.values()))
             self.stats["kv_compactions"] += compact_kv(ctx.kv_stash, ctx.accepted)
         ctx.kv_stash.clear()
         ctx.rows = rows

@@ -119,10 +119,10 @@ class SamplingFacts:
         from vllm_recap.vllm.tree_sampling import RequestSampling
 
         state = None if params is None else RequestSampling.from_params(params, (), ())
-        plain = state is None or (state.greedy_equivalent
-                                  and replace(state, temperature=0.0).is_plain)
+        greedy = state is None or state.greedy_equivalent  # as greedy_equivalent(params)
+        plain = greedy and (state is None or replace(state, temperature=0.0).is_plain)
         return cls(params, tree_unsupported_reason(params) is None, plain,
-                   "greedy" if greedy_equivalent(params) else "sampled",
+                   "greedy" if greedy else "sampled",
                    getattr(params, "logprobs", None) is not None)
 
 

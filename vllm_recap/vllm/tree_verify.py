@@ -94,33 +94,22 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
             (:attr:`~vllm_recap.vllm.eligibility.SamplingFacts.plain`, kept per request by
             the caller): without ``keep_rows`` their sampling state is then not read at all.
     """
-    starts = plan.logits_starts
+    starts = plan.logits_starts.tolist()
+    flat = [j for t in plan.trees
+            for j in range(starts[t.batch_index], starts[t.batch_index] + t.num_nodes)]
+    requests = None
+    if not keep_rows and not plain:  # the caller did not say: read every request's state
+        requests = _request_states(plan, runner, keep_rows)
+        plain = all(r.is_plain for r in requests if r is not None)
     if plain and not keep_rows:
-        # Plain greedy trees (the common case): the raw rows' argmax decides; no copy of the
-        # [N, V] rows, no softmax, and no per-request sampling state (~50 us a step).
-        first = starts.tolist()
-        flat = [j for t in plan.trees
-                for j in range(first[t.batch_index], first[t.batch_index] + t.num_nodes)]
-        targets = (argmax[flat] if argmax is not None
-                   else row_argmax(logits[torch.tensor(flat, device=logits.device)]))
-        return _walk_plain(plan, node_tokens[flat], targets)
-    requests: list[RequestSampling | None] = [None] * len(plan.req_ids)
-    for tree in plan.trees:
-        requests[tree.batch_index] = request_sampling(runner, plan.req_ids[tree.batch_index])
-    flat = np.concatenate([np.arange(starts[t.batch_index], starts[t.batch_index] + t.num_nodes)
-                           for t in plan.trees])
-    if not keep_rows:
-        # Greedy-equivalent rows (top_k = 1) are walked by argmax: temperature and top-k/p do
-        # not move the argmax, so skip them (they sort the vocabulary) unless logprobs of the
-        # processed rows are needed.
-        requests = [r if r is None or r.is_greedy or not r.greedy_equivalent
-                    else replace(r, temperature=0.0) for r in requests]
-    if not keep_rows and all(r.is_plain for r in requests if r is not None):
         # Plain greedy trees (the common case): the raw rows' argmax decides; no copy of the
         # [N, V] rows and no softmax.
         targets = (argmax[flat] if argmax is not None
-                   else row_argmax(logits[torch.from_numpy(flat).to(logits.device)]))
+                   else row_argmax(logits[torch.tensor(flat, device=logits.device)]))
         return _walk_plain(plan, node_tokens[flat], targets)
+    if requests is None:
+        requests = _request_states(plan, runner, keep_rows)
+    flat = np.asarray(flat, np.int64)
     if not keep_rows and top_ids is not None and top_k > 0 \
             and all(penalties_only(r) for r in requests if r is not None):
         # Qwen2.5-VL's recommended settings (repetition penalty, top_k 1): the argmax from the
@@ -139,6 +128,21 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
     return TreeVerification.of_walk(batch, offsets, walk, raw=raw if keep_rows else None,
                                     processed=processed if keep_rows else None,
                                     memory_rows=memory)
+
+
+def _request_states(plan: StepPlan, runner, keep_rows: bool) -> list[RequestSampling | None]:
+    """Per batch row, the sampling state of its tree's request (None for rows without one).
+
+    Without ``keep_rows``, greedy-equivalent requests (top_k = 1) are walked by argmax:
+    temperature and top-k/p do not move the argmax, so they are dropped (they sort the
+    vocabulary) unless logprobs of the processed rows are needed."""
+    requests: list[RequestSampling | None] = [None] * len(plan.req_ids)
+    for tree in plan.trees:
+        rs = request_sampling(runner, plan.req_ids[tree.batch_index])
+        if not keep_rows and not rs.is_greedy and rs.greedy_equivalent:
+            rs = replace(rs, temperature=0.0)
+        requests[tree.batch_index] = rs
+    return requests
 
 
 def _tree_batch(plan: StepPlan, tokens: np.ndarray) -> tuple[TreeBatch, list[int]]:

@@ -113,6 +113,12 @@ def node_tokens_of_rows(plan: StepPlan, input_ids: torch.Tensor) -> np.ndarray:
     return input_ids[torch.tensor(idx, device=input_ids.device)].cpu().numpy().astype(np.int64)
 
 
+def off_chain(nodes: np.ndarray) -> bool:
+    """Whether accepted node indices (depth order, root excluded) leave the chain 1, 2, ...:
+    plain Python, since numpy calls on a few numbers cost ~15 us right after the forward."""
+    return nodes.tolist() != list(range(1, len(nodes) + 1))
+
+
 def compact_kv(stash: list[StashedKV], accepted: dict[int, np.ndarray]) -> int:
     """Copies accepted off-chain nodes' K/V to the slots of their depth, in every layer.
 
@@ -125,8 +131,8 @@ def compact_kv(stash: list[StashedKV], accepted: dict[int, np.ndarray]) -> int:
     """
     moves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for batch_index, nodes in accepted.items():
-        if nodes.tolist() == list(range(1, len(nodes) + 1)):
-            continue  # the chain's nodes: in place (plain Python: numpy calls cost ~15 us here)
+        if not off_chain(nodes):
+            continue  # the chain's nodes: in place
         depth = np.arange(1, len(nodes) + 1)
         off = nodes != depth
         if off.any():
