@@ -109,6 +109,9 @@ _ALL: list[Method] = [
            "Token Recycling as in its paper: full 80-node template, always verified"),
     *[Method(f"recap-tree-b{b}", _fixed(b), f"RECAP tree, fixed budget of {b} nodes")
       for b in (4, 8, 16, 32)],
+    # The best chain of the same fixed-budget tree: tree verification's own gain at one budget.
+    *[Method(f"recap-chain-b{b}", _fixed(b, draft_mode="chain"),
+             f"RECAP single path, the best chain of a fixed {b}-node tree") for b in (8, 16)],
     *[Method(a.method, _fixed(ABLATION_BUDGET, **a.knob), f"ablation: {a.paper_row}")
       for a in ABLATIONS + EXTRA_ABLATIONS + CONTINUATION_ABLATIONS],
 ]
