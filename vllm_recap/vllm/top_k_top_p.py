@@ -78,14 +78,38 @@ def _small_rows(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor
     # they are decided here too when the whole tie is among the columns taken.
     width = min(int(k.max()) + TIE_COLUMNS, vocab)
     vals, ids = x.topk(width, dim=-1)  # [M, W] descending
-    col = torch.arange(width).unsqueeze(0)
+    rest = vals[:, -1] if width < vocab else torch.full_like(vals[:, 0], float("-inf"))
+    keep, exact = filter_sorted(vals, k, p, rest)
+    out = torch.full_like(x, float("-inf"))
+    out.scatter_(1, ids, vals.masked_fill(~keep, float("-inf")))
+    return out, exact
+
+
+def filter_sorted(vals: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
+                  rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's top-k + top-p rules on each row's largest logits.
+
+    Args:
+        vals: [M, W] float32, each row's W largest logits, descending (W >= k).
+        k: [M] int64 top-k per row (1..W).
+        p: [M] float32 top-p per row, or None: top-k only (as vLLM with no top-p tensor; with
+            one, a row of p = 1 still loses survivors whose probability rounds to 0).
+        rest: [M] float32, an upper bound of every logit of the row not among ``vals``
+            (-inf: none): a row is decided only when the whole vocabulary's survivors are
+            among ``vals``.
+
+    Returns:
+        keep [M, W] bool (the columns vLLM leaves unmasked) and exact [M] bool (the row is
+        decided here; elsewhere ``keep`` means nothing).
+    """
+    col = torch.arange(vals.shape[1]).unsqueeze(0)
     kth = vals.gather(1, k.unsqueeze(1) - 1)  # [M, 1] the threshold: the k-th largest
     survive = vals >= kth  # [M, W]
     # Left to vLLM: a tie running past the columns taken, and rows whose survivors include
     # -inf (fewer than k finite logits).
-    exact = torch.isfinite(kth).view(-1)
-    if width < vocab:
-        exact &= vals[:, -1] < kth.view(-1)
+    exact = torch.isfinite(kth).view(-1) & (rest < kth.view(-1))
+    if p is None:
+        return survive, exact
     masked = vals.masked_fill(~survive, float("-inf"))
     probs = masked.softmax(dim=-1)
     # vLLM's ascending cumulative sum, read in descending order: at column j, the mass of
@@ -98,10 +122,7 @@ def _small_rows(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor
     # A tie across the cut: vLLM's sort order decides which of the equal logits goes.
     edge = drop[:, :-1] != drop[:, 1:]  # [M, W-1], between columns j and j+1
     exact &= ~(edge & survive[:, 1:] & (vals[:, :-1] == vals[:, 1:])).any(1)
-    keep = survive & ~drop
-    out = torch.full_like(x, float("-inf"))
-    out.scatter_(1, ids, vals.masked_fill(~keep, float("-inf")))
-    return out, exact
+    return survive & ~drop, exact
 
 
 def _vllm_uses_triton() -> bool:

@@ -449,6 +449,38 @@ def penalised_top_argmax(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
         float32, the softmax over those K penalised values (the top K of the processed row
         but for candidates that fell below entries outside the raw top K).
     """
+    v = penalise_candidates(values, ids, owner, paths, requests)
+    best = v.max(axis=1)
+    decided = bool(np.all(best > values[:, -1]))
+    order = np.argsort(-v, axis=1, kind="stable")  # largest first (ties: raw top-K order)
+    mem_ids = np.take_along_axis(ids, order, 1)
+    mem_vals = np.take_along_axis(v, order, 1)
+    tie = mem_vals == mem_vals[:, :1]
+    argmax = np.where(tie, mem_ids, np.iinfo(np.int64).max).min(axis=1)
+    e = np.exp(mem_vals - mem_vals[:, :1])
+    probs = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+    return (argmax if decided else None), mem_ids, probs
+
+
+def penalise_candidates(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
+                        paths: Sequence[Sequence[int]],
+                        requests: Sequence[RequestSampling]) -> np.ndarray:
+    """vLLM's CPU penalties (repetition, frequency, presence) on some entries of each row.
+
+    The same float32 ops in the same order as :func:`apply_penalties_sparse`, on the
+    candidates only: over prompt + output + the node's path for the repetition penalty, over
+    output + path for the others.
+
+    Args:
+        values: [M, K] raw logits (float32 after the model dtype) of the candidates.
+        ids: [M, K] int64 their token ids.
+        owner: [M] index into ``requests`` of each row's request.
+        paths: per row, the tokens on its node's path (root excluded, node included).
+        requests: the requests.
+
+    Returns:
+        [M, K] float32 penalised values (rows of requests without penalties unchanged).
+    """
     m_rows, k = values.shape
     count = np.zeros((m_rows, k), np.int64)
     seen = np.zeros((m_rows, k), bool)
@@ -480,13 +512,4 @@ def penalised_top_argmax(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
     v = np.where(seen, v * scale, v)
     v = v - freq * count.astype(np.float32)
     v = v - pres * (count > 0).astype(np.float32)
-    best = v.max(axis=1)
-    decided = bool(np.all(best > values[:, -1]))
-    order = np.argsort(-v, axis=1, kind="stable")  # largest first (ties: raw top-K order)
-    mem_ids = np.take_along_axis(ids, order, 1)
-    mem_vals = np.take_along_axis(v, order, 1)
-    tie = mem_vals == mem_vals[:, :1]
-    argmax = np.where(tie, mem_ids, np.iinfo(np.int64).max).min(axis=1)
-    e = np.exp(mem_vals - mem_vals[:, :1])
-    probs = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
-    return (argmax if decided else None), mem_ids, probs
+    return v
