@@ -6,7 +6,8 @@
 - Sampled requests walk the tree by sampling (lossless): the joint distribution of the first
   tokens equals plain sampling's, by a chi-square test whose power is shown in the same file
   (a deliberately wrong sampler fails it).
-- Seeded sampled requests repeat themselves run to run.
+- Seeded sampled requests repeat themselves run to run; under Qwen2.5's text settings the
+  trees' rows are decided from their largest logits and sample what whole rows sample.
 """
 from __future__ import annotations
 
@@ -235,6 +236,43 @@ def test_seeded_sampled_requests_repeat_with_trees(smollm2):
                          for o in llm.generate(prompts, params, use_tqdm=False)])
             trees = recap_proposer(llm).stats["tree_requests"]
     assert runs[0] == runs[1] and trees > 0
+
+
+QWEN_TEXT = dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
+
+
+@pytest.mark.engine
+def test_qwen_text_trees_sample_from_candidates_as_from_whole_rows(smollm2, monkeypatch):
+    """Seeded requests under Qwen2.5's text settings walk their trees from each row's largest
+    logits (``candidate_walk``) and sample exactly the tokens the whole-row path samples:
+    the same draws from the same generators, the same memory rows, so the same trees."""
+    from vllm import SamplingParams
+
+    from vllm_recap.vllm import tree_verify
+
+    prompts = ["Tell me a story about a cat.", "Explain how a bicycle works."]
+    params = [SamplingParams(**QWEN_TEXT, seed=11 + i, max_tokens=48, ignore_eos=True)
+              for i in range(2)]
+    decided = []
+    walk = tree_verify._walk_candidates
+
+    def counted(*args, **kwargs):
+        ver = walk(*args, **kwargs)
+        decided.append(ver is not None)
+        return ver
+
+    def run():
+        with make_llm(smollm2, speculative_config=TREES) as llm:
+            out = [list(o.outputs[0].token_ids)
+                   for o in llm.generate(prompts, params, use_tqdm=False)]
+            return out, recap_proposer(llm).stats["tree_requests"]
+
+    monkeypatch.setattr(tree_verify, "_walk_candidates", counted)
+    candidates, trees = run()
+    assert trees > 0 and sum(decided) > 0.9 * len(decided) > 0, (trees, decided.count(False))
+    monkeypatch.setattr(tree_verify, "from_candidates", lambda rs: False)
+    whole_rows, _ = run()
+    assert candidates == whole_rows
 
 
 @pytest.mark.engine

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from vllm.v1.outputs import SamplerOutput
 
+from vllm_recap.vllm.candidate_walk import CANDIDATES, from_candidates, walk_rows
 from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.tree_sampling import (RequestSampling, TreeBatch, penalised_top_argmax,
                                            penalties_only, process_tree_logits)
 from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees
-from vllm_recap.vllm.verifier import row_argmax, topk_rows
+from vllm_recap.vllm.verifier import row_argmax, rows_topk, topk_rows
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID for rejected positions
 
@@ -110,11 +111,18 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
     if requests is None:
         requests = _request_states(plan, runner, keep_rows)
     flat = np.asarray(flat, np.int64)
+    live = [r for r in requests if r is not None]
     if not keep_rows and top_ids is not None and top_k > 0 \
-            and all(penalties_only(r) for r in requests if r is not None):
+            and all(penalties_only(r) for r in live):
         # Qwen2.5-VL's recommended settings (repetition penalty, top_k 1): the argmax from the
         # raw top-K when it is decided there (almost always), whole rows otherwise.
         ver = _walk_penalised(plan, logits, flat, node_tokens[flat], top_ids[flat], requests)
+        if ver is not None:
+            return ver
+    elif not keep_rows and top_k > 0 and all(from_candidates(r) for r in live) \
+            and any(not r.is_greedy for r in live):
+        # Sampled with top-k (Qwen2.5's text settings): decided by each row's largest logits.
+        ver = _walk_candidates(plan, logits, flat, node_tokens[flat], requests, top_k)
         if ver is not None:
             return ver
     batch, offsets = _tree_batch(plan, node_tokens[flat])
@@ -176,6 +184,37 @@ def _walk_penalised(plan: StepPlan, logits: torch.Tensor, flat: np.ndarray, toke
     dev = logits.device
     values = logits[torch.from_numpy(flat).to(dev).unsqueeze(1),
                     torch.from_numpy(ids).to(dev)].float().cpu().numpy()
+    owner, paths = _node_paths(plan, tokens)
+    argmax, mem_ids, mem_probs = penalised_top_argmax(values, ids, owner, paths, requests)
+    if argmax is None:
+        return None
+    ver = _walk_plain(plan, tokens, argmax)
+    ver.memory_rows = (flat, mem_ids, mem_probs)
+    return ver
+
+
+def _walk_candidates(plan: StepPlan, logits: torch.Tensor, flat: np.ndarray,
+                     tokens: np.ndarray, requests: list[RequestSampling | None],
+                     memory_k: int) -> TreeVerification | None:
+    """Walks of the step's trees decided from each node row's ``CANDIDATES`` largest logits
+    (:mod:`~vllm_recap.vllm.candidate_walk`; rows they do not decide are processed whole);
+    None on a device. Arguments as :func:`_walk_penalised` (each request
+    :func:`~vllm_recap.vllm.candidate_walk.from_candidates`)."""
+    top = rows_topk(logits, flat, min(CANDIDATES, logits.shape[1]))
+    if top is None:
+        return None
+    ids, values = top
+    owner, paths = _node_paths(plan, tokens)
+    rows = walk_rows(values, ids, owner, paths, requests, memory_k,
+                     lambda r: logits[int(flat[r])])
+    ver = _walk_plain(plan, tokens, rows.target)
+    ver.memory_rows = (flat, rows.memory_ids, rows.memory_probs)
+    return ver
+
+
+def _node_paths(plan: StepPlan, tokens: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
+    """Per tree node (trees in ``plan.trees`` order): its request's batch row [N] and the
+    tokens on its path (root excluded, the node included)."""
     owner, paths, start, tok = [], [], 0, tokens.tolist()
     for tree in plan.trees:
         node_paths: list[list[int]] = [[]]
@@ -184,13 +223,7 @@ def _walk_penalised(plan: StepPlan, logits: torch.Tensor, flat: np.ndarray, toke
         paths.extend(node_paths)
         owner.extend([tree.batch_index] * tree.num_nodes)
         start += tree.num_nodes
-    argmax, mem_ids, mem_probs = penalised_top_argmax(values, ids, np.asarray(owner, np.int64),
-                                                      paths, requests)
-    if argmax is None:
-        return None
-    ver = _walk_plain(plan, tokens, argmax)
-    ver.memory_rows = (flat, mem_ids, mem_probs)
-    return ver
+    return np.asarray(owner, np.int64), paths
 
 
 def _walk_plain(plan: StepPlan, tokens: np.ndarray, targets: np.ndarray) -> TreeVerification:

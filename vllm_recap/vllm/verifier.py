@@ -49,6 +49,24 @@ def topk_rows(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids.cpu().numpy().astype(np.int64), probs.cpu().numpy()
 
 
+def rows_topk(logits: torch.Tensor, rows: np.ndarray, k: int
+              ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The k largest logits of some CPU rows, by the compiled kernel (None for device rows).
+
+    Args:
+        logits: [R, V]; rows: [M] int64 row indices; k: entries per row (<= V).
+
+    Returns:
+        ids [M, k] int64 and values [M, k] float32, largest first (equal values: lower id).
+    """
+    bits = _cpu_bits(logits)
+    if bits is None:
+        return None
+    ids, top = topk_bits(bits if len(rows) == len(bits) and
+                         np.array_equal(rows, np.arange(len(bits))) else bits[rows], k)
+    return ids, torch.from_numpy(top).view(logits.dtype).float().numpy()
+
+
 def top1_is_argmax(logits: torch.Tensor) -> bool:
     """True if :func:`topk_rows` of these logits puts each row's argmax by vLLM's rule (the
     lowest id among equal maxima) first: the CPU kernel does; torch's top-k on a device may

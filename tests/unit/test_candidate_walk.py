@@ -1,0 +1,135 @@
+"""Tree rows decided from their largest logits == the whole-row path, draw for draw.
+
+The reference is the whole-row path the candidate walk replaces: ``process_tree_logits``
+(itself tested against vLLM's sequential sampler in test_tree_sampling.py), ``verify_trees``'
+draws with the same generators, and ``topk_rows`` of the processed rows for the memories.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.test_tree_sampling import random_forest
+from vllm_recap.vllm.candidate_walk import CANDIDATES, from_candidates, walk_rows
+from vllm_recap.vllm.tree_sampling import RequestSampling, process_tree_logits
+from vllm_recap.vllm.tree_walk import verify_trees
+from vllm_recap.vllm.verifier import topk_rows
+
+pytestmark = pytest.mark.unit
+
+MEMORY_K = 8
+
+
+def _both(logits: torch.Tensor, tree, requests, seeds: list[int | None], torch_seed: int):
+    """(candidate walk result, whole-row targets [N], whole-row memory rows)."""
+    def with_generators():
+        return [RequestSampling(**{**rs.__dict__,
+                                   "generator": None if s is None else
+                                   torch.Generator().manual_seed(s)})
+                for rs, s in zip(requests, seeds)]
+
+    path = tree.path_tokens()
+    paths = [path[n, :tree.depth[n]].tolist() for n in range(tree.num_nodes)]
+    top = torch.topk(logits, min(CANDIDATES, logits.shape[1]), dim=1)
+    torch.manual_seed(torch_seed)
+    got = walk_rows(top.values.numpy(), top.indices.numpy().astype(np.int64), tree.req, paths,
+                    with_generators(), MEMORY_K, lambda r: logits[r])
+    torch.manual_seed(torch_seed)
+    reqs = with_generators()
+    processed = process_tree_logits(logits, tree, reqs)
+    want = verify_trees(processed, tree, reqs).target
+    return got, want, topk_rows(processed, MEMORY_K)
+
+
+def _request(draw_or_rng, prompt, output, temperature, top_k, top_p, rep=1.0, freq=0.0,
+             pres=0.0) -> RequestSampling:
+    # as tree_verify._request_states hands greedy-equivalent requests over: temperature 0
+    greedy = temperature == 0.0 or top_k == 1
+    return RequestSampling(prompt, output, temperature=0.0 if greedy else temperature,
+                           top_k=top_k, top_p=top_p, repetition_penalty=rep,
+                           frequency_penalty=freq, presence_penalty=pres)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_candidate_walk_equals_whole_rows(data):
+    """Targets (argmax or seeded and unseeded draws) and memory rows (ids and probabilities,
+    bit for bit) equal the whole-row path's, rows the candidates decide and rows processed
+    whole alike; Qwen2.5's text settings are among the cases, mixed with greedy-equivalent
+    requests in one step."""
+    vocab = data.draw(st.sampled_from([80, 200, 1000]))
+    tok = st.integers(0, vocab - 1)
+    requests, sizes, seeds = [], [], []
+    for _ in range(data.draw(st.integers(1, 3))):
+        requests.append(_request(
+            None, data.draw(st.lists(tok, min_size=1, max_size=30)),
+            data.draw(st.lists(tok, min_size=1, max_size=20)),
+            data.draw(st.sampled_from([0.0, 0.5, 0.7, 1.0])),
+            data.draw(st.sampled_from([1, 2, 20, 40, CANDIDATES - 8])),
+            data.draw(st.sampled_from([1.0, 0.95, 0.8, 0.3])),
+            rep=data.draw(st.sampled_from([1.0, 1.05, 1.5])),
+            freq=data.draw(st.sampled_from([0.0, 0.3])),
+            pres=data.draw(st.sampled_from([0.0, 0.2]))))
+        sizes.append(data.draw(st.integers(1, 9)))
+        seeds.append(data.draw(st.one_of(st.none(), st.integers(0, 2**31 - 1))))
+    assert all(from_candidates(r) for r in requests)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    tree = random_forest(rng, requests, sizes, n_tokens=min(vocab, 40))
+    scale = data.draw(st.sampled_from([1.0, 3.0, 8.0]))
+    logits = torch.from_numpy((rng.standard_normal((tree.num_nodes, vocab)) * scale)
+                              .astype(np.float32))
+    got, want, (mem_ids, mem_probs) = _both(logits, tree, requests, seeds,
+                                            data.draw(st.integers(0, 1000)))
+    assert got.target.tolist() == want.tolist()
+    # bit for bit, so the drafter sees the same memories on either path
+    np.testing.assert_array_equal(got.memory_ids, mem_ids)
+    np.testing.assert_array_equal(got.memory_probs, mem_probs)
+
+
+def test_qwen_text_rows_are_decided_and_equal():
+    """Qwen2.5's text settings (T 0.7, top_k 20, top_p 0.8, repetition 1.05) on model-like
+    rows (a few strong logits over a wide spread one): at most 5% of the rows need whole-row
+    processing (a cumulative probability within 1e-4 of the top-p cut is left to them), and
+    every step's 14 draws, seeded and unseeded, equal the whole-row path's."""
+    rng = np.random.default_rng(0)
+    vocab = 4096
+    requests = [_request(None, rng.integers(0, vocab, 40).tolist(),
+                         rng.integers(0, vocab, 10).tolist(), 0.7, 20, 0.8, rep=1.05)
+                for _ in range(2)]
+    tree = random_forest(rng, requests, [9, 5], n_tokens=50)
+    whole = 0
+    for trial in range(40):
+        logits = rng.standard_normal((tree.num_nodes, vocab)).astype(np.float32) * 2
+        logits[:, :50] += rng.uniform(2, 8, (tree.num_nodes, 50)).astype(np.float32)
+        got, want, _ = _both(torch.from_numpy(logits), tree, requests, [trial, None], trial)
+        assert got.target.tolist() == want.tolist()
+        whole += got.whole_rows
+    assert whole <= 0.05 * 40 * tree.num_nodes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_undecided_rows_are_processed_whole(temperature):
+    """Rows whose candidates do not decide them (here every logit equal: the k-th processed
+    candidate is not above the C-th raw value, and vLLM's sort picks among the ties) are
+    processed whole, with the draw the whole-row path makes."""
+    rs = _request(None, [1, 2], [3], temperature, 20, 0.8, rep=1.05)
+    tree = random_forest(np.random.default_rng(1), [rs], [3], n_tokens=10)
+    logits = torch.zeros(tree.num_nodes, 200)
+    got, want, (mem_ids, mem_probs) = _both(logits, tree, [rs], [5], 0)
+    assert got.whole_rows == tree.num_nodes
+    assert got.target.tolist() == want.tolist()
+    np.testing.assert_array_equal(got.memory_ids, mem_ids)
+    np.testing.assert_array_equal(got.memory_probs, mem_probs)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=0), dict(top_k=CANDIDATES), dict(min_p=0.1),
+                                dict(repetition_penalty=0.9), dict(logit_bias={1: 2.0}),
+                                dict(frequency_penalty=-0.5)])
+def test_requests_outside_the_rule_are_not_taken(kw):
+    """top-k off or too wide, min-p, penalties that raise logits, logit bias: whole rows."""
+    base = dict(temperature=0.7, top_k=20, top_p=0.8)
+    assert from_candidates(RequestSampling([1], [2], **base))
+    assert not from_candidates(RequestSampling([1], [2], **{**base, **kw}))

@@ -1,0 +1,224 @@
+"""Sampled tree rows decided from each row's largest raw logits, without whole-row processing.
+
+Under Qwen2.5's text settings (T 0.7, top_k 20, top_p 0.8, repetition penalty 1.05) every tree
+row went through :func:`~vllm_recap.vllm.tree_sampling.process_tree_logits` and the walk's
+softmax and inverse CDF over the whole vocabulary: about ten float32 passes over [N, V]
+(measured, bf16 SmolLM2, 2-core AMD EPYC, 26 Spec-Bench prompts x 128: RECAP's work per step
+4.8 ms p50 with the adaptive budget, 7.7 ms at a fixed 8 nodes and 12.7 ms at 16, against
+~1 ms for greedy trees). For most such rows the result is decided by a few candidates:
+
+- Penalties that only lower logits (repetition >= 1, frequency and presence >= 0) leave every
+  entry outside a row's C largest raw logits at or below the C-th raw value ``v_C``, and the
+  temperature keeps it at or below ``v_C / T`` (float32 division is monotone).
+- vLLM's top-k keeps the entries at or above the k-th largest processed value. When the
+  k-th largest processed candidate is above ``v_C / T``, nothing outside the candidates
+  survives, and top-p runs over the survivors alone
+  (:func:`~vllm_recap.vllm.top_k_top_p.filter_sorted`, exact or undecided).
+- The node's distribution is then the softmax over the kept candidates, and the draw is
+  :func:`~vllm_recap.vllm.tree_walk.sample_rows`'s inverse CDF in token-id order with the
+  same uniform draws from the same generators (``tree_walk._draw``'s call order), so the walk
+  samples what the whole-row path samples, up to the last bits of float32 sums.
+
+Greedy-equivalent rows in the same step take the argmax of their penalised candidates, decided
+when it is above ``v_C`` (:func:`~vllm_recap.vllm.tree_sampling.penalised_top_argmax`'s
+rule). A row the candidates do not decide is processed whole, with the same draw.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_recap.core.topk import topk_probs
+from vllm_recap.vllm.top_k_top_p import TIE_COLUMNS, filter_sorted
+from vllm_recap.vllm.tree_sampling import RequestSampling, penalise_candidates
+from vllm_recap.vllm.tree_walk import greedy_sample, sample_rows
+from vllm_recap.vllm.verifier import topk_rows
+
+# Raw logits taken per row. A top_k up to CANDIDATES - TIE_COLUMNS is served (Qwen2.5's 20,
+# and the usual 40 or 50); the margin leaves room for candidates the penalties push down.
+CANDIDATES = 64
+
+
+def lowers_only(rs: RequestSampling) -> bool:
+    """Its processing never raises a logit and needs nothing but the candidates' ids: penalties
+    of the lowering kind, no allow-list, bad words, logit bias or min_tokens mask."""
+    return (rs.repetition_penalty >= 1.0 and rs.frequency_penalty >= 0.0
+            and rs.presence_penalty >= 0.0 and not rs.allowed_token_ids
+            and not rs.bad_words_token_ids and not rs.logit_bias
+            and not (rs.min_tokens and rs.stop_token_ids))
+
+
+def from_candidates(rs: RequestSampling) -> bool:
+    """Its tree rows may be decided from the candidates: greedy-equivalent, or sampled with
+    top-k (up to ``CANDIDATES - TIE_COLUMNS``) and no min-p, penalties of the lowering kind."""
+    if not lowers_only(rs):
+        return False
+    return rs.greedy_equivalent or (0 < rs.top_k <= CANDIDATES - TIE_COLUMNS
+                                    and rs.min_p == 0.0)
+
+
+@dataclass(frozen=True)
+class CandidateRows:
+    """The outcome for M node rows.
+
+    Attributes:
+        target: [M] int64, the argmax (greedy-equivalent rows) or the draw (sampled rows).
+        memory_ids: [M, K] int64, each row's top K by processed value, largest first.
+        memory_probs: [M, K] float32, the softmax over those K processed values (0 for
+            masked entries).
+        whole_rows: how many rows were processed whole.
+    """
+
+    target: np.ndarray
+    memory_ids: np.ndarray
+    memory_probs: np.ndarray
+    whole_rows: int = 0
+
+
+def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
+              paths: Sequence[Sequence[int]], requests: Sequence[RequestSampling],
+              memory_k: int, whole: Callable[[int], torch.Tensor]) -> CandidateRows:
+    """Each node row's target and memory row, from its candidates where they decide it.
+
+    Args:
+        values: [M, C] float32 raw logits of each row's C largest, descending.
+        ids: [M, C] int64 their token ids.
+        owner: [M] index into ``requests`` of each row's request, rows of one request in
+            ascending node order (the order ``tree_walk._draw`` draws them in).
+        paths: per row, the tokens on its node's path (root excluded, node included).
+        requests: the requests (each :func:`from_candidates`); greedy-equivalent ones with
+            their temperature already dropped (``tree_verify._request_states``).
+        memory_k: K of the memory rows (<= C).
+        whole: row index -> that row's raw logits [V]: rows the candidates do not decide
+            (about 4% under Qwen2.5's text settings in bf16, mostly equal logits across the
+            top-p cut, which vLLM's unstable sort decides) are processed whole, as
+            ``process_tree_logits`` and ``verify_trees`` would, with the same uniform draw.
+    """
+    processed = penalise_candidates(values, ids, owner, paths, requests)
+    rest = values[:, -1]
+    greedy = np.array([requests[g].is_greedy for g in owner.tolist()], bool)
+    target = np.zeros(len(values), np.int64)
+    undecided = np.zeros(len(values), bool)
+    sampled = np.flatnonzero(~greedy)
+    uniforms = None
+    if len(sampled):
+        order = np.argsort(-processed[sampled], axis=1, kind="stable")
+        uniforms = _uniforms(owner[sampled], requests)
+        cand = np.take_along_axis(ids[sampled], order, 1)
+        vals, drawn, exact = _sampled(np.take_along_axis(processed[sampled], order, 1), cand,
+                                      rest[sampled], owner[sampled], requests, uniforms)
+        processed[sampled], ids = vals, ids.copy()
+        ids[sampled] = cand
+        target[sampled[exact]] = drawn[exact]
+        undecided[sampled[~exact]] = True
+    # The memory rows as ``topk_rows`` takes them from whole processed rows: by value, equal
+    # values lower id first, masked entries (-inf) the lowest ids the row did not keep.
+    order = np.lexsort((ids, -processed), axis=-1)[:, :memory_k]
+    mem_vals = np.take_along_axis(processed, order, 1)
+    mem_ids = np.take_along_axis(ids, order, 1)
+    if greedy.any():
+        top = mem_vals[greedy]
+        tie = top == top[:, :1]
+        target[greedy] = np.where(tie, mem_ids[greedy], np.iinfo(np.int64).max).min(axis=1)
+        # decided: the best (and the K-th, for the memory row) above every entry outside
+        undecided[greedy] = ~((top[:, 0] > rest[greedy]) & (top[:, -1] > rest[greedy]))
+    for r in np.flatnonzero(~np.isfinite(mem_vals[:, -1]) & ~undecided).tolist():
+        live = mem_ids[r][np.isfinite(mem_vals[r])]
+        spare = np.setdiff1d(np.arange(memory_k + len(live)), live)
+        mem_ids[r, len(live):] = spare[:memory_k - len(live)]
+    # the compiled softmax topk_rows uses, on the same K float32 values in the same order
+    _, probs = topk_probs(np.ascontiguousarray(mem_vals).view(np.int32), memory_k, False)
+    at = {int(r): i for i, r in enumerate(sampled.tolist())}
+    p_set = any(requests[g].top_p < 1 for g in owner[sampled].tolist())
+    for r in np.flatnonzero(undecided).tolist():
+        row = _whole_row(whole(r), requests[owner[r]], paths[r], p_set)
+        if greedy[r]:
+            target[r] = int(greedy_sample(row)[0])
+        else:
+            target[r] = int(sample_rows(torch.softmax(row, dim=-1),
+                                        uniforms=uniforms[at[r]:at[r] + 1])[0])
+        mem_ids[r], probs[r] = (a[0] for a in topk_rows(row, memory_k))
+    return CandidateRows(target, mem_ids, probs, int(undecided.sum()))
+
+
+def _whole_row(logits: torch.Tensor, rs: RequestSampling, path: Sequence[int],
+               p_set: bool) -> torch.Tensor:
+    """[1, V] float32: one row processed whole, as ``process_tree_logits`` does (penalised;
+    sampled rows also divided by the temperature and filtered by vLLM's own top-k/top-p,
+    with a top-p tensor when the step has one: ``p_set``). Such a row is one the candidates
+    did not decide, which vLLM's function would sort (~4 ms for 49k on the 2-core CPU)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    row = logits.float().reshape(1, -1).clone()
+    vocab = row.shape[1]
+    if rs.has_penalties:  # only the entries some token names change (apply_penalties_sparse)
+        seen = np.unique(np.concatenate([np.asarray(rs.prompt_token_ids, np.int64),
+                                         np.asarray(rs.output_token_ids, np.int64),
+                                         np.asarray(path, np.int64)]))
+        seen = seen[(seen >= 0) & (seen < vocab)][None]
+        at = torch.from_numpy(seen[0])
+        row[0, at] = torch.from_numpy(penalise_candidates(
+            row[:, at].numpy(), seen, np.zeros(1, np.int64), [path], [rs])[0])
+    if rs.is_greedy:
+        return row
+    row.div_(rs.temperature)  # apply_temperature's float32 division
+    k = torch.tensor([rs.top_k if 0 < rs.top_k < vocab else vocab], dtype=torch.int32)
+    p = torch.tensor([rs.top_p], dtype=torch.float32) if p_set else None
+    return apply_top_k_top_p(row, k, p)
+
+
+def _sampled(vals: np.ndarray, ids: np.ndarray, rest: np.ndarray, owner: np.ndarray,
+             requests: Sequence[RequestSampling], uniforms: torch.Tensor
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Temperature, top-k/top-p and one draw for the sampled rows.
+
+    Args:
+        vals: [S, C] float32 penalised candidates, descending; ids: [S, C] their ids.
+        rest: [S] float32 raw C-th value (every entry outside is at or below it, penalised).
+        owner: [S] request index of each row; requests: see :func:`walk_rows`.
+        uniforms: [S, 1] each row's uniform draw (:func:`_uniforms`).
+
+    Returns:
+        [S, C] float32 processed candidates (masked ones -inf), the drawn token [S] int64,
+        and exact [S] bool (rows decided here; elsewhere both mean nothing).
+    """
+    temp = np.array([requests[g].temperature for g in owner.tolist()], np.float32)[:, None]
+    x = torch.from_numpy(vals / temp)  # vLLM's apply_temperature: float32 division
+    bound = torch.from_numpy(rest / temp[:, 0])
+    k = torch.tensor([requests[g].top_k for g in owner.tolist()], dtype=torch.long)
+    top_p = [requests[g].top_p for g in owner.tolist()]
+    p = torch.tensor(top_p, dtype=torch.float32) if any(q < 1 for q in top_p) else None
+    keep, exact = filter_sorted(x, k, p, bound)
+    x = x.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(x, dim=-1)  # [S, C]
+    by_id = torch.from_numpy(np.argsort(ids, axis=1, kind="stable"))
+    in_id_order = probs.gather(1, by_id)
+    cdf = in_id_order.cumsum(dim=-1)  # the whole row's CDF at the candidates
+    picked = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).view(-1)
+    # u rounded up to the total: the last token of mass > 0 (as sample_rows)
+    last = cdf.shape[1] - 1 - (in_id_order > 0).flip(1).to(torch.int8).argmax(1)
+    picked = torch.where(picked >= cdf.shape[1], last, picked)
+    column = by_id.gather(1, picked.unsqueeze(1)).view(-1).numpy()
+    return x.numpy(), ids[np.arange(len(ids)), column], exact.numpy()
+
+
+def _uniforms(owner: np.ndarray, requests: Sequence[RequestSampling]) -> torch.Tensor:
+    """[S, 1] one uniform per row, drawn as ``tree_walk._draw`` draws them: each seeded
+    request's rows with its generator (requests in index order), then every unseeded row in
+    one call on the default generator."""
+    u = torch.empty(len(owner), 1)
+    plain = []
+    for g in np.unique(owner).tolist():
+        rows = np.flatnonzero(owner == g)
+        gen = requests[g].generator
+        if gen is None:
+            plain.append(rows)
+        else:
+            u[torch.from_numpy(rows)] = torch.rand(len(rows), 1, generator=gen)
+    if plain:
+        rows = np.concatenate(plain)
+        u[torch.from_numpy(rows)] = torch.rand(len(rows), 1)
+    return u
