@@ -194,13 +194,9 @@ def _sampled(vals: np.ndarray, ids: np.ndarray, rest: np.ndarray, owner: np.ndar
     keep, exact = filter_sorted(x, k, p, bound)
     x = x.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(x, dim=-1)  # [S, C]
+    # the whole row's inverse CDF, read at the candidates in token-id order
     by_id = torch.from_numpy(np.argsort(ids, axis=1, kind="stable"))
-    in_id_order = probs.gather(1, by_id)
-    cdf = in_id_order.cumsum(dim=-1)  # the whole row's CDF at the candidates
-    picked = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).view(-1)
-    # u rounded up to the total: the last token of mass > 0 (as sample_rows)
-    last = cdf.shape[1] - 1 - (in_id_order > 0).flip(1).to(torch.int8).argmax(1)
-    picked = torch.where(picked >= cdf.shape[1], last, picked)
+    picked = sample_rows(probs.gather(1, by_id), uniforms=uniforms)
     column = by_id.gather(1, picked.unsqueeze(1)).view(-1).numpy()
     return x.numpy(), ids[np.arange(len(ids)), column], exact.numpy()
 
