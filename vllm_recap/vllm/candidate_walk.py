@@ -33,22 +33,13 @@ import torch
 
 from vllm_recap.core.topk import topk_probs
 from vllm_recap.vllm.top_k_top_p import TIE_COLUMNS, filter_sorted
-from vllm_recap.vllm.tree_sampling import RequestSampling, penalise_candidates
+from vllm_recap.vllm.tree_sampling import RequestSampling, lowers_only, penalise_candidates
 from vllm_recap.vllm.tree_walk import greedy_sample, sample_rows
 from vllm_recap.vllm.verifier import topk_rows
 
 # Raw logits taken per row. A top_k up to CANDIDATES - TIE_COLUMNS is served (Qwen2.5's 20,
 # and the usual 40 or 50); the margin leaves room for candidates the penalties push down.
 CANDIDATES = 64
-
-
-def lowers_only(rs: RequestSampling) -> bool:
-    """Its processing never raises a logit and needs nothing but the candidates' ids: penalties
-    of the lowering kind, no allow-list, bad words, logit bias or min_tokens mask."""
-    return (rs.repetition_penalty >= 1.0 and rs.frequency_penalty >= 0.0
-            and rs.presence_penalty >= 0.0 and not rs.allowed_token_ids
-            and not rs.bad_words_token_ids and not rs.logit_bias
-            and not (rs.min_tokens and rs.stop_token_ids))
 
 
 def from_candidates(rs: RequestSampling) -> bool:

@@ -417,9 +417,15 @@ def penalties_only(rs: RequestSampling) -> bool:
     frequency and presence >= 0) and nothing else to process: its argmax is decided among the
     raw row's top entries whenever the best penalised one stays above the rest
     (:func:`penalised_top_argmax`)."""
-    return (rs.greedy_equivalent and rs.repetition_penalty >= 1.0
-            and rs.frequency_penalty >= 0.0 and rs.presence_penalty >= 0.0
-            and not rs.allowed_token_ids and not rs.bad_words_token_ids and not rs.logit_bias
+    return rs.greedy_equivalent and lowers_only(rs)
+
+
+def lowers_only(rs: RequestSampling) -> bool:
+    """Its processing never raises a logit and needs nothing but the candidates' ids: penalties
+    of the lowering kind, no allow-list, bad words, logit bias or min_tokens mask."""
+    return (rs.repetition_penalty >= 1.0 and rs.frequency_penalty >= 0.0
+            and rs.presence_penalty >= 0.0 and not rs.allowed_token_ids
+            and not rs.bad_words_token_ids and not rs.logit_bias
             and not (rs.min_tokens and rs.stop_token_ids))
 
 
