@@ -493,4 +493,3 @@ def test_a_batch_drafts_for_its_confident_requests_only():
     assert b > 0 and ctl.last_counts[1] == b
     assert ctl.last_counts[0] == ctl.last_counts[2] == ctl.last_counts[3] == 0
     assert ctl.last_decision.level == b
-
