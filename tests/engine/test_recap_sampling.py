@@ -189,9 +189,10 @@ def _joint_samples(tiny_qwen2, spec, monkeypatch=None, wrong=False):
 
         monkeypatch.setattr(Drafter, "propose", propose)
     if wrong:  # a deliberately wrong sampler: draws from p^2 instead of p
-        original = tree_walk._draw
-        monkeypatch.setattr(tree_walk, "_draw", lambda probs, groups: original(
-            probs.pow(2) / probs.pow(2).sum(-1, keepdim=True), groups))
+        original = tree_walk.sample_rows
+        monkeypatch.setattr(tree_walk, "sample_rows", lambda probs, generator=None,
+                            uniforms=None: original(
+            probs.pow(2) / probs.pow(2).sum(-1, keepdim=True), generator, uniforms))
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True,
                             allowed_token_ids=ALLOWED)
     prompt = TokensPrompt(prompt_token_ids=[11, 12, 13, 14, 15])
@@ -271,6 +272,10 @@ def test_qwen_text_trees_sample_from_candidates_as_from_whole_rows(smollm2, monk
     candidates, trees = run()
     assert trees > 0 and sum(decided) > 0.9 * len(decided) > 0, (trees, decided.count(False))
     monkeypatch.setattr(tree_verify, "from_candidates", lambda rs: False)
+    # every row processed (walking only the visited ones gives the others estimated memory
+    # rows, so other trees)
+    monkeypatch.setattr(tree_verify, "_walk_visited", lambda *args: tree_verify._walk_every_row(
+        *args[:-1], keep_rows=False))
     whole_rows, _ = run()
     assert candidates == whole_rows
 

@@ -142,12 +142,18 @@ def test_penalised_trees_give_the_memories_rows_of_the_processed_distribution():
     logits[:, 7] = 10.0  # raw top-1 everywhere: 7, which the request's output holds
     logits[:, 9] = 8.0  # penalised: 10 / 1.5 < 8, so 9 wins
     runner = _runner(plan, greedy_params(repetition_penalty=1.5))
-    ver = prepare(plan, logits, node_tokens, runner, keep_rows=False, top_k=4)
-    flat, ids, probs = ver.memory_rows
-    assert flat.tolist() == list(range(1, 8))  # r1's tree rows
-    assert (ids[:, 0] == 9).all() and (ids[:, 1] == 7).all()
-    np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-6)
-    assert ver.walk.target.tolist() == [9] * 7
+    top_ids, _ = topk_rows(logits, 4)
+    # min_tokens sends the tree to whole rows (the root's, the only one its walk visits),
+    # the others get their raw top K penalised
+    for params in (greedy_params(repetition_penalty=1.5),
+                   greedy_params(repetition_penalty=1.5, min_tokens=100, stop_token_ids=[5])):
+        ver = prepare(plan, logits, node_tokens, _runner(plan, params), keep_rows=False,
+                      top_k=4, top_ids=top_ids)
+        flat, ids, probs = ver.memory_rows
+        assert sorted(flat.tolist()) == list(range(1, 8))  # r1's tree rows
+        assert (ids[:, 0] == 9).all() and (ids[:, 1] == 7).all()
+        np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-6)
+        assert ver.tokens == [[9]]
     plain = prepare(plan, logits, node_tokens, _runner(plan), keep_rows=False, top_k=4)
     assert plain.memory_rows is None
 
@@ -174,7 +180,9 @@ def test_penalised_trees_decided_from_the_raw_top_k_equal_whole_row_processing(s
     assert [a.tolist() for a in fast.nodes] == [a.tolist() for a in full.nodes]
     assert fast.tokens == full.tokens and fast.nodes[0].tolist()[:1] == [3]
     if fast.walk is None:  # decided from the top K: the processed rows' top-1 as memory
-        assert fast.memory_rows[1][:, 0].tolist() == full.memory_rows[1][:, 0].tolist()
+        top1 = dict(zip(fast.memory_rows[0].tolist(), fast.memory_rows[1][:, 0].tolist()))
+        # the whole-row path processed the rows its walk visited
+        assert [top1[r] for r in full.memory_rows[0].tolist()] == full.memory_rows[1][:, 0].tolist()
 
 
 def test_penalised_trees_undecided_in_the_top_k_fall_back_to_whole_rows():
@@ -186,8 +194,8 @@ def test_penalised_trees_undecided_in_the_top_k_fall_back_to_whole_rows():
     runner = _runner(plan, greedy_params(repetition_penalty=1.5))
     ids, _ = topk_rows(logits, 1)
     ver = prepare(plan, logits, node_tokens, runner, keep_rows=False, top_k=1, top_ids=ids)
-    assert ver.walk is not None  # whole rows processed
-    assert ver.walk.target.tolist() == [9] * 7
+    assert ver.walk is not None  # whole rows processed (the root's: no child drafts 9)
+    assert ver.tokens == [[9]] and ver.walk.target.tolist()[0] == 9
 
 
 class _FakeImpl:

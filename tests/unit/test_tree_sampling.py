@@ -29,6 +29,7 @@ from vllm_recap.vllm.tree_walk import (
     tree_logprobs,
     verify_trees,
     walk_targets,
+    walk_visited,
 )
 
 pytestmark = pytest.mark.unit
@@ -523,6 +524,65 @@ def test_verify_trees_mixes_greedy_and_sampled():
     assert walk.output_tokens(both)[1] == again.output_tokens(tree)[0]
 
 
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_walking_only_the_visited_rows_equals_walking_every_row(data):
+    """``walk_visited`` (rows processed one tree level at a time, only where the walk goes)
+    accepts and commits what ``verify_trees`` over every processed row does, its rows are
+    those rows bit for bit, and every generator ends in the same state -- for any mix of
+    greedy-equivalent and sampled requests, seeded or not, with every kind of processing."""
+    seed = data.draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    n_req = data.draw(st.integers(1, 3))
+    names = [data.draw(st.sampled_from(sorted(CASES))) for _ in range(n_req)]
+    seeds = [data.draw(st.one_of(st.none(), st.integers(0, 99))) for _ in range(n_req)]
+    vocab = 48
+
+    def requests():
+        out = []
+        for name, s in zip(names, seeds):
+            kw = {k: v for k, v in CASES[name].items() if k != "bad_words_token_ids"}
+            if name.startswith("bad_words"):
+                kw["bad_words_token_ids"] = [[7], [4, 5, 6], [1, 2]]
+            out.append(RequestSampling([4, 5, 6, 7], [5, 2, 9], **{
+                **kw, "generator": None if s is None else torch.Generator().manual_seed(s)}))
+        return out
+
+    tree = random_forest(rng, requests(), rng.integers(1, 12, n_req), n_tokens=10)
+    logits = torch.from_numpy(rng.normal(size=(tree.num_nodes, vocab)).astype(np.float32))
+    # sharp rows whose argmax is a drafted child now and then, so walks go deep
+    kids = np.flatnonzero(tree.parent >= 0)
+    hit = kids[rng.random(len(kids)) < 0.5]
+    logits[torch.from_numpy(tree.parent[hit]), torch.from_numpy(tree.token[hit])] += 6.0
+
+    torch.manual_seed(seed)
+    reqs = requests()
+    processed = process_tree_logits(logits, tree, reqs)
+    want = verify_trees(processed, tree, reqs)
+    after_want = [None if r.generator is None else torch.rand(1, generator=r.generator)
+                  for r in reqs] + [torch.rand(1)]
+
+    torch.manual_seed(seed)
+    reqs = requests()
+    asked = []
+
+    def rows(nodes):
+        asked.append(nodes.copy())
+        return logits[torch.from_numpy(nodes)]
+
+    got, visited, got_rows = walk_visited(rows, tree, reqs)
+    after_got = [None if r.generator is None else torch.rand(1, generator=r.generator)
+                 for r in reqs] + [torch.rand(1)]
+    assert [a.tolist() for a in got.accepted] == [a.tolist() for a in want.accepted]
+    assert got.committed.tolist() == want.committed.tolist()
+    assert np.concatenate(asked).tolist() == visited.tolist()
+    assert sorted(visited.tolist()) == sorted(set(tree.roots.tolist())
+                                              | set(np.concatenate(got.accepted).tolist()))
+    torch.testing.assert_close(got_rows, processed[torch.from_numpy(visited)], rtol=0, atol=0)
+    assert got.target[visited].tolist() == want.target[visited].tolist()
+    assert after_got == after_want
+
+
 # --- logprobs ------------------------------------------------------------------------------
 
 @pytest.fixture()
@@ -692,7 +752,7 @@ def test_sparse_penalties_equal_vllms_apply_penalties_bit_for_bit(data):
                           dtype=torch.float32).view(tree.num_nodes, vocab)
     groups = group_by_request(tree, requests)
     got = logits.clone()
-    apply_penalties_sparse(got, groups, tree, tree.path_tokens())
+    apply_penalties_sparse(got, groups, tree.depth, tree.path_tokens())
     # vLLM, one row per node: prompt; output = request output + path (padded with vocab)
     path = tree.path_tokens()
 

@@ -34,7 +34,7 @@ import torch
 from vllm_recap.core.topk import topk_probs
 from vllm_recap.vllm.top_k_top_p import TIE_COLUMNS, filter_sorted
 from vllm_recap.vllm.tree_sampling import RequestSampling, lowers_only, penalise_candidates
-from vllm_recap.vllm.tree_walk import greedy_sample, sample_rows
+from vllm_recap.vllm.tree_walk import greedy_sample, row_uniforms, sample_rows
 from vllm_recap.vllm.verifier import topk_rows
 
 # Raw logits taken per row. A top_k up to CANDIDATES - TIE_COLUMNS is served (Qwen2.5's 20,
@@ -97,7 +97,7 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
     uniforms = None
     if len(sampled):
         order = np.argsort(-processed[sampled], axis=1, kind="stable")
-        uniforms = _uniforms(owner[sampled], requests)
+        uniforms = row_uniforms(owner[sampled], requests)
         cand = np.take_along_axis(ids[sampled], order, 1)
         vals, drawn, exact = _sampled(np.take_along_axis(processed[sampled], order, 1), cand,
                                       rest[sampled], owner[sampled], requests, uniforms)
@@ -170,7 +170,7 @@ def _sampled(vals: np.ndarray, ids: np.ndarray, rest: np.ndarray, owner: np.ndar
         vals: [S, C] float32 penalised candidates, descending; ids: [S, C] their ids.
         rest: [S] float32 raw C-th value (every entry outside is at or below it, penalised).
         owner: [S] request index of each row; requests: see :func:`walk_rows`.
-        uniforms: [S, 1] each row's uniform draw (:func:`_uniforms`).
+        uniforms: [S, 1] each row's uniform draw (:func:`~vllm_recap.vllm.tree_walk.row_uniforms`).
 
     Returns:
         [S, C] float32 processed candidates (masked ones -inf), the drawn token [S] int64,
@@ -190,22 +190,3 @@ def _sampled(vals: np.ndarray, ids: np.ndarray, rest: np.ndarray, owner: np.ndar
     picked = sample_rows(probs.gather(1, by_id), uniforms=uniforms)
     column = by_id.gather(1, picked.unsqueeze(1)).view(-1).numpy()
     return x.numpy(), ids[np.arange(len(ids)), column], exact.numpy()
-
-
-def _uniforms(owner: np.ndarray, requests: Sequence[RequestSampling]) -> torch.Tensor:
-    """[S, 1] one uniform per row, drawn as ``tree_walk._draw`` draws them: each seeded
-    request's rows with its generator (requests in index order), then every unseeded row in
-    one call on the default generator."""
-    u = torch.empty(len(owner), 1)
-    plain = []
-    for g in np.unique(owner).tolist():
-        rows = np.flatnonzero(owner == g)
-        gen = requests[g].generator
-        if gen is None:
-            plain.append(rows)
-        else:
-            u[torch.from_numpy(rows)] = torch.rand(len(rows), 1, generator=gen)
-    if plain:
-        rows = np.concatenate(plain)
-        u[torch.from_numpy(rows)] = torch.rand(len(rows), 1)
-    return u

@@ -194,8 +194,14 @@ class TreeBatch:
 def group_by_request(tree: TreeBatch, requests: Sequence[RequestSampling | None]
             ) -> list[tuple[RequestSampling, np.ndarray]]:
     """(request, its node indices ascending) per request of the batch."""
-    order = np.argsort(tree.req, kind="stable")
-    uniq, starts = np.unique(tree.req[order], return_index=True)
+    return _groups(tree.req, requests)
+
+
+def _groups(req: np.ndarray, requests: Sequence[RequestSampling | None]
+            ) -> list[tuple[RequestSampling, np.ndarray]]:
+    """(request, the indices i ascending with ``req[i]`` = its index) per request in ``req``."""
+    order = np.argsort(req, kind="stable")
+    uniq, starts = np.unique(req[order], return_index=True)
     out = []
     for r, nodes in zip(uniq, np.split(order, starts[1:])):
         rs = requests[int(r)] if 0 <= r < len(requests) else None
@@ -223,26 +229,34 @@ def _padded(rows: list[Sequence[int]], pad: int) -> np.ndarray:
 
 
 def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
-                        requests: Sequence[RequestSampling | None]) -> torch.Tensor:
+                        requests: Sequence[RequestSampling | None],
+                        nodes: np.ndarray | None = None) -> torch.Tensor:
     """Each node's row exactly as vLLM's sequential sampler would process it at that position.
 
     Args:
-        logits: [N, V] target logits at the nodes (any float dtype; not modified).
+        logits: [M, V] target logits at the nodes (any float dtype; not modified).
         tree: the step's trees; ``tree.req`` indexes ``requests``.
         requests: per request index, its sampling state (None where no node refers to it).
+        nodes: [M] the tree nodes whose rows ``logits`` holds, in that order (default: all N
+            nodes, M = N). A row's processing depends on its own node's path only, so a
+            subset of rows comes out as those rows of the whole batch would.
 
     Returns:
-        [N, V] float32: for greedy rows the penalised logits vLLM takes the argmax of; for
+        [M, V] float32: for greedy rows the penalised logits vLLM takes the argmax of; for
         sampled rows the temperature-scaled, min-p/top-k/top-p filtered logits vLLM samples from
         (its ``processed_logits``).
     """
     n, vocab = logits.shape
-    if n != tree.num_nodes:
-        raise ValueError(f"logits has {n} rows for {tree.num_nodes} nodes")
+    path = tree.path_tokens()
+    req, depth = tree.req, tree.depth
+    if nodes is not None:
+        nodes = np.asarray(nodes, np.int64)
+        path, req, depth = path[nodes], req[nodes], depth[nodes]
+    if n != len(req):
+        raise ValueError(f"logits has {n} rows for {len(req)} nodes")
     dev = logits.device
     out = logits.to(torch.float32, copy=True)
-    groups = group_by_request(tree, requests)
-    path = tree.path_tokens()
+    groups = _groups(req, requests)  # row indices into out / path / depth
 
     # 1. allowed_token_ids: -inf outside the list (InputBatch's mask, masked_fill_).
     for rs, nodes in groups:
@@ -264,7 +278,7 @@ def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
             words = [list(w) for w in rs.bad_words_token_ids]
             for v in nodes.tolist():
                 bad_rows[v] = words
-                past[v] = tail + path[v, :tree.depth[v]].tolist()
+                past[v] = tail + path[v, :depth[v]].tolist()
     if bad_rows:
         from vllm.v1.sample.ops.bad_words import apply_bad_words
 
@@ -274,7 +288,7 @@ def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
     mt_rows, mt_toks, lb_rows, lb_toks, lb_vals = [], [], [], [], []
     for rs, nodes in groups:
         if rs.min_tokens and rs.stop_token_ids:
-            masked = nodes[len(rs.output_token_ids) + tree.depth[nodes] < rs.min_tokens]
+            masked = nodes[len(rs.output_token_ids) + depth[nodes] < rs.min_tokens]
             stops = np.fromiter(rs.stop_token_ids, dtype=np.int64)
             mt_rows.append(np.repeat(masked, len(stops)))
             mt_toks.append(np.tile(stops, len(masked)))
@@ -299,7 +313,7 @@ def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
     #    rows only (a neutral row is an exact no-op in vLLM's batch).
     pen = [(rs, nodes) for rs, nodes in groups if rs.has_penalties]
     if pen and dev.type == "cpu":
-        apply_penalties_sparse(out, pen, tree, path)
+        apply_penalties_sparse(out, pen, depth, path)
     elif pen:
         from vllm.model_executor.layers.utils import apply_penalties
 
@@ -349,7 +363,7 @@ def process_tree_logits(logits: torch.Tensor, tree: TreeBatch,
 
 
 def apply_penalties_sparse(out: torch.Tensor, groups: list[tuple[RequestSampling, np.ndarray]],
-                           tree: TreeBatch, path: np.ndarray) -> None:
+                           depth: np.ndarray, path: np.ndarray) -> None:
     """vLLM's ``apply_penalties`` on CPU on the rows of ``groups``, in place, bit for bit,
     touching only the entries it changes.
 
@@ -363,9 +377,9 @@ def apply_penalties_sparse(out: torch.Tensor, groups: list[tuple[RequestSampling
 
     Args:
         out: [N, V] float32 rows, modified in place.
-        groups: (request, its node rows) for the requests with penalties.
-        tree: the step's trees (depths).
-        path: [N, D] ``tree.path_tokens()``.
+        groups: (request, its rows of ``out``) for the requests with penalties.
+        depth: [N] each row's node depth.
+        path: [N, D] each row's path tokens (``TreeBatch.path_tokens``, padded with -1).
     """
     vocab = out.shape[1]
     rows, cols, counts, owner = [], [], [], []
@@ -379,9 +393,9 @@ def apply_penalties_sparse(out: torch.Tensor, groups: list[tuple[RequestSampling
         out_count = np.bincount(inverse[prompt.shape[0]:], minlength=seen.shape[0])
         n = nodes.shape[0]
         # Each node's path tokens (root excluded, the node included) add output occurrences.
-        depth = tree.depth[nodes]
+        node_depth = depth[nodes]
         node_path = path[nodes]
-        on_path = np.arange(node_path.shape[1])[None, :] < depth[:, None]
+        on_path = np.arange(node_path.shape[1])[None, :] < node_depth[:, None]
         path_rows = np.broadcast_to(nodes[:, None], node_path.shape)[on_path]
         rows.append(np.concatenate([np.repeat(nodes, seen.shape[0]), path_rows]))
         cols.append(np.concatenate([np.tile(seen, n), node_path[on_path]]))
@@ -458,14 +472,38 @@ def penalised_top_argmax(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
     v = penalise_candidates(values, ids, owner, paths, requests)
     best = v.max(axis=1)
     decided = bool(np.all(best > values[:, -1]))
-    order = np.argsort(-v, axis=1, kind="stable")  # largest first (ties: raw top-K order)
-    mem_ids = np.take_along_axis(ids, order, 1)
-    mem_vals = np.take_along_axis(v, order, 1)
+    mem_ids, mem_vals, probs = _by_value(v, ids)
     tie = mem_vals == mem_vals[:, :1]
     argmax = np.where(tie, mem_ids, np.iinfo(np.int64).max).min(axis=1)
-    e = np.exp(mem_vals - mem_vals[:, :1])
-    probs = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
     return (argmax if decided else None), mem_ids, probs
+
+
+def candidate_memory_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
+                          paths: Sequence[Sequence[int]], requests: Sequence[RequestSampling]
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """Memory rows of rows not processed whole: each row's raw top-K candidates penalised
+    (:func:`penalise_candidates`) and, for sampled rows, divided by the temperature, then
+    ranked. The processed row's top K as far as its raw top K shows it (masks and
+    top-k/top-p/min-p cuts are not applied). Arguments as :func:`penalised_top_argmax`.
+
+    Returns:
+        ids [M, K] by processed value, largest first; probs [M, K] float32, their softmax.
+    """
+    v = penalise_candidates(values, ids, owner, paths, requests)
+    temp = np.array([requests[g].temperature if not requests[g].is_greedy else 1.0
+                     for g in owner.tolist()], np.float32)
+    mem_ids, _, probs = _by_value(v / temp[:, None], ids)
+    return mem_ids, probs
+
+
+def _by_value(v: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Candidates [M, K] ranked by value, largest first (ties: their given order): ids,
+    values, and the softmax over the K values (float32)."""
+    order = np.argsort(-v, axis=1, kind="stable")
+    mem_ids = np.take_along_axis(ids, order, 1)
+    mem_vals = np.take_along_axis(v, order, 1)
+    e = np.exp(mem_vals - mem_vals[:, :1])
+    return mem_ids, mem_vals, (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
 def penalise_candidates(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,

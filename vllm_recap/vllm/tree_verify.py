@@ -21,9 +21,10 @@ from vllm.v1.outputs import SamplerOutput
 
 from vllm_recap.vllm.candidate_walk import CANDIDATES, from_candidates, walk_rows
 from vllm_recap.vllm.context import StepPlan
-from vllm_recap.vllm.tree_sampling import (RequestSampling, TreeBatch, penalised_top_argmax,
-                                           penalties_only, process_tree_logits)
-from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees
+from vllm_recap.vllm.tree_sampling import (RequestSampling, TreeBatch, candidate_memory_rows,
+                                           penalised_top_argmax, penalties_only,
+                                           process_tree_logits)
+from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees, walk_visited
 from vllm_recap.vllm.verifier import row_argmax, rows_topk, topk_rows
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID for rejected positions
@@ -126,6 +127,17 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         if ver is not None:
             return ver
     batch, offsets = _tree_batch(plan, node_tokens[flat])
+    if not keep_rows and logits.device.type == "cpu":
+        return _walk_visited(logits, flat, batch, offsets, requests, top_k, top_ids)
+    return _walk_every_row(logits, flat, batch, offsets, requests, top_k, keep_rows)
+
+
+def _walk_every_row(logits: torch.Tensor, flat: np.ndarray, batch: TreeBatch,
+                    offsets: list[int], requests: list[RequestSampling | None], top_k: int,
+                    keep_rows: bool) -> TreeVerification:
+    """Walks of the step's trees over every node row processed whole (logprobs need the
+    rows; on a device one batched pass beats a call per tree level). Arguments as
+    :func:`_walk_visited`."""
     raw = logits[torch.from_numpy(flat).to(logits.device)]
     processed = process_tree_logits(raw, batch, requests)
     walk = verify_trees(processed, batch, requests)
@@ -210,6 +222,40 @@ def _walk_candidates(plan: StepPlan, logits: torch.Tensor, flat: np.ndarray,
     ver = _walk_plain(plan, tokens, rows.target)
     ver.memory_rows = (flat, rows.memory_ids, rows.memory_probs)
     return ver
+
+
+def _walk_visited(logits: torch.Tensor, flat: np.ndarray, batch: TreeBatch, offsets: list[int],
+                  requests: list[RequestSampling | None], top_k: int,
+                  top_ids: np.ndarray | None) -> TreeVerification:
+    """Walks of trees the candidates do not decide (T 1.0, top-p without top-k, min-p,
+    masks...) processing whole rows, but only those the walks visit
+    (:func:`~vllm_recap.vllm.tree_walk.walk_visited`); on CPU, where each row costs a few
+    passes over the vocabulary and one more call per tree level costs little.
+
+    The memories get the visited rows' processed top K, and for the other nodes their raw
+    top-K candidates penalised and divided by the temperature
+    (:func:`~vllm_recap.vllm.tree_sampling.candidate_memory_rows`): what the target would
+    pick there as far as the candidates show it, without processing the row (masks and
+    top-p/min-p cuts aside). Arguments as :func:`_walk_penalised`; ``offsets``: each tree's
+    root in ``batch``; ``top_ids`` [R, K]: every logits row's raw top-K ids, or None.
+    """
+    at = torch.from_numpy(flat)
+    walk, visited, processed = walk_visited(lambda nodes: logits[at[nodes]], batch, requests)
+    memory = None
+    if top_k > 0:
+        ids, probs = topk_rows(processed, top_k)
+        rest = np.setdiff1d(np.arange(len(flat)), visited)
+        if top_ids is not None and rest.size:
+            cand = top_ids[flat[rest]]
+            values = logits[at[rest].unsqueeze(1), torch.from_numpy(cand)].float().numpy()
+            path = batch.path_tokens()[rest]
+            paths = [p[:d].tolist() for p, d in zip(path, batch.depth[rest])]
+            r_ids, r_probs = candidate_memory_rows(values, cand, batch.req[rest], paths,
+                                                   requests)
+            visited = np.concatenate([visited, rest])
+            ids, probs = np.concatenate([ids, r_ids]), np.concatenate([probs, r_probs])
+        memory = (flat[visited], ids, probs)
+    return TreeVerification.of_walk(batch, offsets, walk, memory_rows=memory)
 
 
 def _node_paths(plan: StepPlan, tokens: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
