@@ -116,7 +116,7 @@ def label(method: str, checkout: str | None) -> str:
 
 def run_one(spec: dict, checkout: str | None, workdir: Path) -> dict:
     """One child process (see :func:`child`); its JSON line, or the error's tail."""
-    spec_path = workdir / "spec.json"
+    spec_path = (workdir / "spec.json").resolve()  # the child runs in workdir: no relative path
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": checkout or str(REPO)}
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",

@@ -9,12 +9,14 @@ One engine start on the tiny random Qwen2 (~30 s).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.engine
 
 
-def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path):
+def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path, monkeypatch):
     from benchmarks import interleave
     from benchmarks.methods import NGRAM
 
@@ -24,7 +26,10 @@ def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path):
             "concurrency": 2, "max_new_tokens": 16, "max_model_len": 512,
             "sampling": {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
                          "repetition_penalty": 1.05}}
-    out = interleave.run_one(spec, None, tmp_path)
+    # a relative results folder (``--out benchmarks/results/...``): the child, which runs in
+    # that folder, once looked for its spec relative to it and every run failed
+    monkeypatch.chdir(tmp_path.parent)
+    out = interleave.run_one(spec, None, Path(tmp_path.name))
     assert "error" not in out, out.get("error")
     assert out["tokens"] == 32 and out["prompts"] == 2
     assert len(out["sampler_fixes"]) == 2, out
