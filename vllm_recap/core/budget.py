@@ -211,8 +211,15 @@ class LevelOutcomes:
     def ratios(self, level: int, chain: bool = False) -> tuple[float, float]:
         """(cost ratio, gain ratio) of a level and shape: measured / estimated, shrunk
         towards the shape's pooled ratios."""
-        return self._shrunk(self._sums.get((level, chain), (0.0, 0.0, 0.0)),
-                            self.pooled_ratios(chain))
+        return self.ratio_list([level], chain)[0]
+
+    def ratio_list(self, levels: list[int], chain: bool = False) -> list[tuple[float, float]]:
+        """:meth:`ratios` of several levels of one shape ((1, 1) for level 0: plain decoding
+        has no estimate to correct)."""
+        pooled = self.pooled_ratios(chain)
+        return [(1.0, 1.0) if level == 0 else
+                self._shrunk(self._sums.get((level, chain), (0.0, 0.0, 0.0)), pooled)
+                for level in levels]
 
     def observe(self, decision: Decision, seconds: float, accepted: float) -> None:
         """One verified step chosen at ``decision.level``: its seconds and accepted drafts."""
@@ -317,17 +324,17 @@ class BudgetController:
             if not chain:
                 tree_shape = is_tree
             total = len(order)
-            for level in sorted({d for d in LEVELS if d < total} | {total}):
-                if chain and (level == 0 or (level < len(tree_shape) and not tree_shape[level])):
-                    continue  # plain decoding, or the tree candidate of this D is this step
-                tree = not chains or is_tree[level]
+            # plain decoding, and in the chain shape the D whose tree candidate is this step
+            levels = [d for d in sorted({d for d in LEVELS if d < total} | {total})
+                      if not (chain and (d == 0 or (d < len(tree_shape) and not tree_shape[d])))]
+            trees_at = [not chains or is_tree[d] for d in levels]
+            estimates = self.cost.estimates(base_tokens, context, list(zip(levels, trees_at)))
+            for level, tree, seconds, (cost_ratio, gain_ratio) in zip(
+                    levels, trees_at, estimates, self.outcomes.ratio_list(levels, chain)):
                 tokens = base_tokens + level
-                seconds = self.cost.estimate(tokens, context, level, tree)
                 if seconds is None or (level == 0 and not self.cost.measured(tokens, context)):
                     self.last_choice, self.last_decision = 0, None  # plain decoding is
                     return 0                                        # measured first, always
-                cost_ratio, gain_ratio = (self.outcomes.ratios(level, chain) if level > 0
-                                          else (1.0, 1.0))
                 rate = (len(trees) + gains[level] * gain_ratio) / (seconds * cost_ratio)
                 candidates.append((level, chain, tokens, tree, rate, (seconds, gains[level]),
                                    order))

@@ -225,14 +225,27 @@ class StepCostModel:
                  tree: bool = True) -> float | None:
         """Expected seconds for a step of ``num_tokens`` tokens, ``drafts`` of them draft
         tokens verified as trees (``tree``) or chains (None before any plain measurement)."""
+        return self.estimates(num_tokens - drafts, context, [(drafts, tree)])[0]
+
+    def estimates(self, base_tokens: int, context: float,
+                  sizes: list[tuple[int, bool]]) -> list[float | None]:
+        """:meth:`estimate` of a step of ``base_tokens`` plus ``drafts`` draft tokens
+        verified as trees or not, per (drafts, tree) of ``sizes``; the work every size
+        repeats (buckets, the plain cost of the base tokens) is done once (the budget prices
+        ~15 sizes a step)."""
         ctx = self.context_bucket(context)
-        base = self.plain.estimate(ctx, self.bucket(num_tokens - drafts))
-        if base is None or drafts <= 0:
-            return base
-        extra = self._table(drafts, tree)[0].estimate(ctx, self.bucket(drafts))
-        if extra is None:  # never measured: priced as plain tokens
-            return self.plain.estimate(ctx, self.bucket(num_tokens))
-        return base + extra
+        base = self.plain.estimate(ctx, self.bucket(base_tokens))
+        out: list[float | None] = []
+        for drafts, tree in sizes:
+            if base is None or drafts <= 0:
+                out.append(base)
+                continue
+            extra = (self.extra if tree else self.extra_chain).estimate(ctx, self.bucket(drafts))
+            if extra is None:  # never measured: priced as plain tokens
+                out.append(self.plain.estimate(ctx, self.bucket(base_tokens + drafts)))
+            else:
+                out.append(base + extra)
+        return out
 
     def _key(self, num_tokens: int, context: float, drafts: int,
              tree: bool = True) -> tuple[_CostTable, tuple]:
