@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
 
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--sampling", default="greedy", help="a setting of benchmarks/sampling.py")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=None,
+                    help="also write the figures to this JSON file (what is printed, as numbers)")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -91,15 +94,28 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter() - t0
     steps = np.asarray(proposer.step_seconds) * 1e3
     isa = ", ".join(f for f in cpu_flags() if f.startswith("avx"))
-    print(f"{cpu_model()} ({isa}), dtype {args.dtype}, sampling {args.sampling}, spec {args.spec}")
+    machine = f"{cpu_model()} ({isa})"
+    work = {q: float(f(steps)) for q, f in (("p50", np.median), ("mean", np.mean),
+                                             ("p99", lambda a: np.percentile(a, 99)))}
+    pieces = {name: {"calls": len(v), "p50_ms": float(np.median(v) * 1e3),
+                     "mean_ms": float(np.mean(v) * 1e3), "total_ms": float(np.sum(v) * 1e3)}
+              for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])) if v}
+    print(f"{machine}, dtype {args.dtype}, sampling {args.sampling}, spec {args.spec}")
     print(f"wall {wall:.1f} s, {len(steps)} steps; RECAP work per step: p50 "
-          f"{np.percentile(steps, 50):.3f} ms, mean {steps.mean():.3f} ms, p99 "
-          f"{np.percentile(steps, 99):.3f} ms")
-    for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-        if v:
-            ms = np.asarray(v) * 1e3
-            print(f"  {name:24s} calls {len(ms):6d}  p50 {np.percentile(ms, 50):.3f}  mean "
-                  f"{ms.mean():.3f}  total {ms.sum():.0f} ms")
+          f"{work['p50']:.3f} ms, mean {work['mean']:.3f} ms, p99 {work['p99']:.3f} ms")
+    for name, p in pieces.items():
+        print(f"  {name:24s} calls {p['calls']:6d}  p50 {p['p50_ms']:.3f}  mean "
+              f"{p['mean_ms']:.3f}  total {p['total_ms']:.0f} ms")
+    if args.out:
+        import vllm_recap
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine, "dtype": args.dtype,
+            "sampling": args.sampling, "spec": json.loads(args.spec), "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens, "vllm_recap": str(Path(
+                vllm_recap.__file__).parent), "wall_s": wall, "steps": len(steps),
+            "work_ms": work, "pieces": pieces}, indent=1))
     shutdown_llm(llm)
     sys.stdout.flush()
 

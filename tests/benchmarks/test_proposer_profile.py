@@ -1,6 +1,8 @@
 """benchmarks.proposer_profile runs an engine and times RECAP's pieces per step."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import proposer_profile
@@ -8,11 +10,15 @@ from benchmarks import proposer_profile
 pytestmark = pytest.mark.engine
 
 
-def test_profile_prints_step_work_and_the_timed_pieces(capsys):
-    proposer_profile.main(["--prompts", "2", "--max-new-tokens", "8"])
+def test_profile_prints_step_work_and_the_timed_pieces(capsys, tmp_path):
+    proposer_profile.main(["--prompts", "2", "--max-new-tokens", "8",
+                           "--out", str(tmp_path / "profile.json")])
     out = capsys.readouterr().out
     assert "RECAP work per step: p50" in out
     # the pieces every decode step runs were timed, with calls counted
     for name in ("_advance", "topk_rows", "drafter.observe", "node_tokens_of_rows"):
         line = next(x for x in out.splitlines() if x.strip().startswith(name + " "))
         assert int(line.split("calls")[1].split()[0]) > 0, line
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    assert saved["steps"] > 0 and saved["work_ms"]["p50"] > 0
+    assert saved["pieces"]["_advance"]["calls"] > 0
