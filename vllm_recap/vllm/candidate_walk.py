@@ -16,7 +16,7 @@ softmax and inverse CDF over the whole vocabulary: about ten float32 passes over
   (:func:`~vllm_recap.vllm.top_k_top_p.filter_sorted`, exact or undecided).
 - The node's distribution is then the softmax over the kept candidates, and the draw is
   :func:`~vllm_recap.vllm.tree_walk.sample_rows`'s inverse CDF in token-id order with the
-  same uniform draws from the same generators (``tree_walk._draw``'s call order), so the walk
+  same uniform draws from the same generators (``tree_walk.row_uniforms``), so the walk
   samples what the whole-row path samples, up to the last bits of float32 sums.
 
 Greedy-equivalent rows in the same step take the argmax of their penalised candidates, decided
@@ -78,7 +78,7 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
         values: [M, C] float32 raw logits of each row's C largest, descending.
         ids: [M, C] int64 their token ids.
         owner: [M] index into ``requests`` of each row's request, rows of one request in
-            ascending node order (the order ``tree_walk._draw`` draws them in).
+            ascending node order (the order ``tree_walk.row_uniforms`` draws them in).
         paths: per row, the tokens on its node's path (root excluded, node included).
         requests: the requests (each :func:`from_candidates`); greedy-equivalent ones with
             their temperature already dropped (``tree_verify._request_states``).
