@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampling", default="greedy",
                    help="a setting of benchmarks/sampling.py (greedy, qwen_vl, qwen_text, t1); "
                         "sampled settings run unseeded (default: greedy)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate max-new-tokens for every prompt: sampled outputs otherwise end "
+                        "at EOS at different lengths per engine, and tokens/s then also carries "
+                        "how much prefill each engine's outputs amortise")
     p.add_argument("--out", default=None,
                    help="output folder (default: benchmarks/results/interleave-<timestamp>)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run: its spec file
@@ -86,7 +90,8 @@ def child(spec: dict) -> dict:
                               max_model_len=spec.get("max_model_len", 2400),
                               speculative_config=spec["config"],
                               max_num_seqs=spec["concurrency"]))
-    params = SamplingParams(**sampling, max_tokens=spec["max_new_tokens"])
+    params = SamplingParams(**sampling, max_tokens=spec["max_new_tokens"],
+                            ignore_eos=bool(spec.get("ignore_eos", False)))
     batch = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
     llm.generate(batch[:1], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -152,7 +157,8 @@ def markdown(result: dict) -> str:
              f"sampling {a.get('sampling', 'greedy')}", "",
              f"{result['date']}, {m['cpu_model']} ({m['cpus']} CPUs, {', '.join(m['cpu_flags'])}), "
              f"dtype {result['dtype']}, git {m.get('git')}; {result['prompts']} Spec-Bench prompts x "
-             f"{a['max_new_tokens']} tokens, {a['rounds']} rounds, engines in turn within each "
+             f"{a['max_new_tokens']} tokens{' (EOS ignored)' if a.get('ignore_eos') else ''}, "
+             f"{a['rounds']} rounds, engines in turn within each "
              f"round; ratio = tokens/s over the same round's `none`.", "",
              "| engine | tokens/s per round | ratio to none per round | median [min-max] | errors |",
              "|---|---|---|---|---|"]
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
             for method, checkout in chosen:
                 spec = {"model": model, "dtype": args.dtype, "config": METHODS[method].config,
                         "concurrency": args.concurrency, "prompts": prompts,
-                        "max_new_tokens": args.max_new_tokens,
+                        "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
                         "sampling": dict(SAMPLINGS[args.sampling].params)}
                 runs.append({"engine": label(method, checkout), "round": r,
                              **run_one(spec, checkout, out)})

@@ -25,7 +25,7 @@ def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path, monkeypatc
     spec = {"prompts": prompts, "model": tiny_qwen2, "dtype": "float32", "config": NGRAM,
             "concurrency": 2, "max_new_tokens": 16, "max_model_len": 512,
             "sampling": {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                         "repetition_penalty": 1.05}}
+                         "repetition_penalty": 1.05}, "ignore_eos": True}
     # a relative results folder (``--out benchmarks/results/...``): the child, which runs in
     # that folder, once looked for its spec relative to it and every run failed
     monkeypatch.chdir(tmp_path.parent)
