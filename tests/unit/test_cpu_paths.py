@@ -297,8 +297,18 @@ def test_scratch_blocks_outside_the_given_list_are_untouched():
 def test_step_virtual_batch_is_built_once_per_metadata():
     b = _batch(_requests(32), 32, 64, torch.float32)
     ctx = StepContext(b.plan)
-    vb = step_virtual_batch(ctx, b.meta, 32, b.free)
-    assert step_virtual_batch(ctx, b.meta, 32, b.free) is vb
+    calls = []
+
+    def scratch():  # the layer's scratch ids, asked for only when the batch is built
+        calls.append(1)
+        return b.free
+
+    vb = step_virtual_batch(ctx, b.meta, 32, scratch)
+    assert step_virtual_batch(ctx, b.meta, 32, scratch) is vb and len(calls) == 1
+    other = SimpleNamespace(**vars(b.meta))  # a second KV-cache group's metadata
+    vb2 = step_virtual_batch(ctx, other, 32, b.free)
+    assert vb2 is not vb and step_virtual_batch(ctx, b.meta, 32, scratch) is vb
+    assert step_virtual_batch(ctx, other, 32, scratch) is vb2 and len(calls) == 1
     sched = vb.scheduler_metadata(b.impl, torch.float32, b.layer.isa)
     assert vb.scheduler_metadata(b.impl, torch.float32, b.layer.isa) is sched
 
@@ -353,3 +363,26 @@ def test_block_size_mismatch_is_an_error():
     with pytest.raises(ValueError, match="block size 64, cache has 32"):
         forward_with_paths(b.impl, b.layer, b.query, b.key, b.value, b.kv_cache, b.meta, vb,
                            out, StepContext(b.plan))
+
+
+def test_scratch_writes_read_strided_key_value_rows_in_place():
+    """When the rows written into scratch are one run (side paths off the best chain, in the
+    depth-first layout), they are read as a narrow() view of vLLM's K/V -- here strided
+    column slices of one fused QKV tensor, as the model hands them over -- and give what the
+    index_select of other trees' rows gives (TREE_A's side paths share nodes: no run)."""
+    side = DraftTree(np.zeros(8, np.int64), np.array([-1, 0, 1, 2, 0, 4, 1, 6]),
+                     np.ones(8)).depth_first().parents.tolist()
+    requests = [("decode", 33, 1, None), ("side", 45, len(side), side),
+                ("tree_a", 70, len(TREE_A), TREE_A)]
+    for reqs, run in ((requests[:2], True), (requests, False)):
+        b = _batch(reqs, 32, 64, torch.float32)
+        qkv = torch.cat([b.query.flatten(1), b.key.flatten(1), b.value.flatten(1)], dim=1)
+        q_w, kv_w = H * b.hs, KVH * b.hs
+        b.key = qkv[:, q_w:q_w + kv_w].view(-1, KVH, b.hs)
+        b.value = qkv[:, q_w + kv_w:].view(-1, KVH, b.hs)
+        assert not b.key.is_contiguous()
+        out, _, vb = _run_paths(b)
+        assert vb.dense == () and vb.write_rows.numel() > 0
+        rows = vb.write_rows.tolist()
+        assert (vb.write_first >= 0) == run == (rows == list(range(rows[0], rows[0] + len(rows))))
+        assert _max_err(out, _references(b)) <= 1e-5

@@ -42,10 +42,11 @@ class RecapCPUAttentionImpl(TreeAttentionMixin, CPUAttentionBackendImpl):
         reason = self.tree_unsupported_reason()  # refused at load: an invariant here
         if reason is not None:
             raise RuntimeError(f"vllm-recap tree verification: {reason}; {CHAIN_HINT}.")
-        num_blocks, _, block_size, _ = kv_cache.shape
-        scratch = scratch_block_ids(num_blocks, block_size,
-                                    self._manager_block_size or block_size)
-        batch = step_virtual_batch(ctx, attn_metadata, block_size, scratch)
+        block_size = kv_cache.shape[2]
+        batch = step_virtual_batch(ctx, attn_metadata, block_size,
+                                   lambda: scratch_block_ids(kv_cache.shape[0], block_size,
+                                                             self._manager_block_size
+                                                             or block_size))
         return forward_with_paths(self, layer, query, key, value, kv_cache, attn_metadata,
                                   batch, output, ctx)
 
