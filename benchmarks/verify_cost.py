@@ -13,6 +13,12 @@ three modes run in turn in each of ``--rounds`` rounds (tree / chain is taken wi
 on a shared host, modes run one after another drifted by more than the effect).
 ``plain`` is vLLM without speculation (one token per pass). Ratios T(n) / T_plain are what
 to read: the machine is shared and absolute times drift.
+
+``paired`` (a fourth engine per round) is the steadier tree / chain figure: one tree-mode
+engine whose forced draft is a chain or a tree drawn at random each step, so both shapes run
+interleaved under the same host load (a chain in a tree-mode engine takes the same path as in
+a chain-mode one: vLLM's kernel and rejection sampler). Its ratio is the median tree step
+over the median chain step of the same run.
 """
 from __future__ import annotations
 
@@ -39,8 +45,9 @@ def forced_tree(root: int, n: int, shape: str, vocab: int):
     return DraftTree(np.array(tokens, np.int64), np.array(parents, np.int64), np.ones(n))
 
 
-def time_steps(llm, prompt: list[int], steps: int) -> list[float]:
-    """Wall seconds of each engine step of one request (after its prefill)."""
+def time_steps(llm, prompt: list[int], steps: int, label=None) -> list:
+    """Wall seconds of each engine step of one request (after its prefill); with ``label``
+    (a function called before each step: what that step verifies), (label, seconds) pairs."""
     from vllm import SamplingParams, TokensPrompt
 
     engine = llm.llm_engine
@@ -48,28 +55,42 @@ def time_steps(llm, prompt: list[int], steps: int) -> list[float]:
                        SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
     times = []
     while engine.has_unfinished_requests():
+        tag = label() if label is not None else None
         t0 = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        times.append(seconds if label is None else (tag, seconds))
     return times[3:3 + steps]  # skip prefill and the first decodes (no drafts yet)
+
+
+def _row(mode: str, context: int, n: int, seconds) -> dict:
+    ms = np.asarray(seconds) * 1e3
+    return dict(mode=mode, context=context, nodes=n, median_ms=float(np.median(ms)),
+                p10_ms=float(np.percentile(ms, 10)), p90_ms=float(np.percentile(ms, 90)),
+                samples=int(ms.shape[0]))
 
 
 def measure(model: str, dtype: str, mode: str, contexts: list[int], nodes: list[int],
             steps: int) -> list[dict]:
-    """Rows (mode, context, nodes, median ms, p10, p90) for one engine kind."""
+    """Rows (mode, context, nodes, median ms, p10, p90) for one engine kind; mode "paired"
+    gives rows "paired-chain" and "paired-tree" from one tree-mode engine (2 x ``steps``
+    steps, the shape drawn per step)."""
     from vllm import LLM
 
     from vllm_recap.core.drafter import Drafter
     from vllm_recap.models.engine import engine_kwargs, shutdown_llm
 
-    size = {"n": 1}
-    shape = "chain" if mode == "chain" else "tree"
+    size = {"n": 1, "shape": "chain" if mode == "chain" else "tree"}
     original = Drafter.propose
+    draw = np.random.default_rng(1)
 
     def propose(self, req_id, node_budget=None, max_depth=None):
         if req_id == "warmup":
             return original(self, req_id, node_budget, max_depth)
-        return forced_tree(self.history(req_id)[-1], size["n"], shape, self.vocab_size)
+        if mode == "paired":  # what the next step verifies
+            size["shape"] = ("chain", "tree")[int(draw.integers(2))]
+        return forced_tree(self.history(req_id)[-1], size["n"], size["shape"],
+                           self.vocab_size)
 
     spec = None
     if mode != "plain":
@@ -78,7 +99,7 @@ def measure(model: str, dtype: str, mode: str, contexts: list[int], nodes: list[
                 "draft_mode": "chain" if mode == "chain" else "tree"}
     Drafter.propose = propose
     llm = LLM(**engine_kwargs(model, dtype=dtype, kv_cache_mib=512,
-                              max_model_len=max(contexts) + 2 * steps + max(nodes) + 64,
+                              max_model_len=max(contexts) + 4 * steps + max(nodes) + 64,
                               speculative_config=spec))
     rng = np.random.default_rng(0)
     rows = []
@@ -88,11 +109,13 @@ def measure(model: str, dtype: str, mode: str, contexts: list[int], nodes: list[
             for n in ([1] if mode == "plain" else nodes):
                 size["n"] = n
                 time_steps(llm, prompt, 2)  # warm this shape
-                ms = np.array(time_steps(llm, prompt, steps)) * 1e3
-                rows.append(dict(mode=mode, context=context, nodes=n,
-                                 median_ms=float(np.median(ms)),
-                                 p10_ms=float(np.percentile(ms, 10)),
-                                 p90_ms=float(np.percentile(ms, 90))))
+                if mode != "paired":
+                    rows.append(_row(mode, context, n, time_steps(llm, prompt, steps)))
+                    continue
+                timed = time_steps(llm, prompt, 2 * steps, label=lambda: size["shape"])
+                for shape in ("chain", "tree"):
+                    rows.append(_row(f"paired-{shape}", context, n,
+                                     [t for tag, t in timed if tag == shape]))
     finally:
         Drafter.propose = original
         shutdown_llm(llm)
@@ -108,6 +131,7 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
                 for r in rows if r["mode"] == mode}
 
     plain, chain, tree = per_round("plain"), per_round("chain"), per_round("tree")
+    pchain, ptree = per_round("paired-chain"), per_round("paired-tree")
     rounds = sorted({k[0] for k in tree})
     lines = [f"# Verification pass cost ({meta['model']}, {meta['dtype']}, {meta['cpu']})", "",
              f"{meta['date']}; {len(rounds)} round(s), each running plain, chain and tree in "
@@ -115,9 +139,11 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['steps']} steps; T = ms per engine step of one request verifying n "
              "tokens (root + n - 1 drafts); x plain = T / T(plain decode) at the same context; "
              "tree/chain = median [min-max] over rounds of the same round's tree pass over its "
-             "chain pass of the same n.", "",
-             "| context | n | plain ms | chain ms (x plain) | tree ms (x plain) | tree / chain |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "chain pass of the same n; paired = the same, from one tree-mode engine drawing "
+             "the shape per step (both shapes under the same host load).", "",
+             "| context | n | plain ms | chain ms (x plain) | tree ms (x plain) | tree / chain "
+             "| tree / chain, paired |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     cells = sorted({(k[1], k[2]) for k in tree})
     for c, n in cells:
         t = float(np.median([tree[(r, c, n)] for r in rounds]))
@@ -126,13 +152,21 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
         p = float(np.median(ps)) if ps else None
         ch = float(np.median(chs)) if chs else None
         ratios = [tree[(r, c, n)] / chain[(r, c, n)] for r in rounds if (r, c, n) in chain]
-        spread = (f"{np.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
-                  if len(ratios) > 1 else f"{ratios[0]:.2f}" if ratios else "")
+        paired = [ptree[(r, c, n)] / pchain[(r, c, n)] for r in rounds
+                  if (r, c, n) in ptree and (r, c, n) in pchain]
         lines.append("| " + " | ".join([
             f"{c}", f"{n}", f"{p:.1f}" if p else "",
             f"{ch:.1f} ({ch / p:.2f})" if ch and p else "",
-            f"{t:.1f} ({t / p:.2f})" if p else f"{t:.1f}", spread]) + " |")
+            f"{t:.1f} ({t / p:.2f})" if p else f"{t:.1f}", _spread(ratios),
+            _spread(paired)]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _spread(ratios: list[float]) -> str:
+    """median [min-max] over rounds (one round: the ratio alone)."""
+    if len(ratios) > 1:
+        return f"{np.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+    return f"{ratios[0]:.2f}" if ratios else ""
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -149,8 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--nodes", default="1,5,9,17,33,64")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds, each running plain, chain and tree in turn (default: 3): on a "
-                        "shared host one mode after another drifts by more than the effect")
+                   help="rounds, each running plain, chain, tree and paired in turn (default: "
+                        "3): on a shared host one mode after another drifts by more than the "
+                        "effect")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -158,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, dtype = str(resolve_model(args.model)), resolve_dtype(args.dtype)
     rows = []
     for r in range(args.rounds):
-        for mode in ("plain", "chain", "tree"):
+        for mode in ("plain", "chain", "tree", "paired"):
             rows += [dict(row, round=r)
                      for row in measure(model, dtype, mode, contexts, nodes, args.steps)]
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), model=args.model,

@@ -16,10 +16,13 @@ def test_tree_over_chain_is_the_median_of_same_round_ratios():
         chain = (30.0 if r != 2 else 40.0) * scale  # round 2: both dearer, same ratio
         rows += [dict(round=r, mode="plain", context=100, nodes=1, median_ms=20.0 * scale),
                  dict(round=r, mode="chain", context=100, nodes=5, median_ms=chain),
-                 dict(round=r, mode="tree", context=100, nodes=5, median_ms=1.1 * chain)]
+                 dict(round=r, mode="tree", context=100, nodes=5, median_ms=1.1 * chain),
+                 dict(round=r, mode="paired-chain", context=100, nodes=5, median_ms=chain),
+                 dict(round=r, mode="paired-tree", context=100, nodes=5,
+                      median_ms=(1.02 + 0.01 * r) * chain)]
     meta = dict(model="m", dtype="bfloat16", cpu="cpu", date="d", steps=12)
     table = to_markdown(meta, rows)
     assert "3 round(s)" in table
     line = next(x for x in table.splitlines() if x.startswith("| 100 | 5 |"))
-    assert line.endswith("| 1.10 [1.10-1.10] |")
+    assert line.endswith("| 1.10 [1.10-1.10] | 1.03 [1.02-1.04] |")
     assert "| 20.0 |" in line  # plain: median over rounds
