@@ -4,6 +4,7 @@
     python -m benchmarks.proposer_profile --spec '{"method": "recap", "budget_policy": "fixed",
         "node_budget": 8}' --prompts 8                           # same steps for two codes
     python -m benchmarks.proposer_profile --sampling qwen_text
+    python -m benchmarks.proposer_profile --model gemma3          # 262k vocabulary
 
 Prints the p50 / mean / p99 of ``RecapProposer.step_seconds`` (what ``benchmarks.run`` reports
 as proposer cost) and, per timed driver function, its p50 / mean / total. The timers add ~1 us
@@ -59,6 +60,8 @@ def instrument(driver) -> dict[str, list[float]]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default='{"method": "recap"}', help="speculative_config (JSON)")
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2 | gemma3 (the embedded models) | a local HF folder")
     ap.add_argument("--prompts", type=int, default=13, help="Spec-Bench prompts, one per category")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--sampling", default="greedy", help="a setting of benchmarks/sampling.py")
@@ -74,10 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.machine import cpu_flags, cpu_model
     from benchmarks.sampling import job_sampling, sampling_params
     from benchmarks.workloads import spec_bench_prompts
+    from vllm_recap.models import resolve_model
     from vllm_recap.models.engine import engine_kwargs, shutdown_llm
-    from vllm_recap.models.gguf import smollm2_path
 
-    llm = LLM(**engine_kwargs(str(smollm2_path()), dtype=args.dtype,
+    llm = LLM(**engine_kwargs(resolve_model(args.model), dtype=args.dtype,
                               speculative_config=json.loads(args.spec)))
     prompts = [TokensPrompt(prompt_token_ids=p.token_ids)
                for p in spec_bench_prompts(llm.get_tokenizer(), 1)[:args.prompts]]
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     pieces = {name: {"calls": len(v), "p50_ms": float(np.median(v) * 1e3),
                      "mean_ms": float(np.mean(v) * 1e3), "total_ms": float(np.sum(v) * 1e3)}
               for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])) if v}
-    print(f"{machine}, dtype {args.dtype}, sampling {args.sampling}, spec {args.spec}")
+    print(f"{machine}, {args.model}, dtype {args.dtype}, sampling {args.sampling}, "
+          f"spec {args.spec}")
     print(f"wall {wall:.1f} s, {len(steps)} steps; RECAP work per step: p50 "
           f"{work['p50']:.3f} ms, mean {work['mean']:.3f} ms, p99 {work['p99']:.3f} ms")
     for name, p in pieces.items():
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
 
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine, "dtype": args.dtype,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine, "model": args.model,
+            "dtype": args.dtype,
             "sampling": args.sampling, "spec": json.loads(args.spec), "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "vllm_recap": str(Path(
                 vllm_recap.__file__).parent), "wall_s": wall, "steps": len(steps),

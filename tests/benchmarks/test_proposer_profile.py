@@ -20,5 +20,5 @@ def test_profile_prints_step_work_and_the_timed_pieces(capsys, tmp_path):
         line = next(x for x in out.splitlines() if x.strip().startswith(name + " "))
         assert int(line.split("calls")[1].split()[0]) > 0, line
     saved = json.loads((tmp_path / "profile.json").read_text())
-    assert saved["steps"] > 0 and saved["work_ms"]["p50"] > 0
+    assert saved["steps"] > 0 and saved["work_ms"]["p50"] > 0 and saved["model"] == "smollm2"
     assert saved["pieces"]["_advance"]["calls"] > 0
