@@ -34,6 +34,7 @@ Wiring, in ``RecapCPUAttentionImpl.forward`` when :meth:`tree_step` returns a co
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -73,13 +74,19 @@ class PathSplit:
 def split_paths(parents: np.ndarray) -> PathSplit:
     """Splits a tree into paths: path 0 = the longest prefix chain 0..L, then one path per
     remaining leaf in ascending index order (deterministic; a node is owned by the first path
-    that contains it).
+    that contains it). Splits are kept per tree shape (small trees repeat from step to step;
+    a split is immutable).
 
     Raises:
         ValueError: ``parents`` is not a parents-first tree (parents[0] = -1, parents[i] < i).
     """
     par = np.asarray(parents).tolist()
-    n = len(par) if isinstance(par, list) else 0
+    return _split_shape(tuple(par) if isinstance(par, list) else ())
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_shape(par: tuple[int, ...]) -> PathSplit:
+    n = len(par)
     if n == 0 or par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par) if i):
         raise ValueError(f"parents must be a parents-first tree, got {par}")
     last = 0  # L
@@ -210,29 +217,30 @@ class VirtualBatch:
                 :func:`scratch_blocks_needed`), later trees fall back to the dense path.
         """
         bs = int(block_size)
-        qsl = attn_metadata.query_start_loc.numpy()
-        seq_lens = attn_metadata.seq_lens.numpy()
-        num_reqs = seq_lens.shape[0]
+        qsl = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        num_reqs = len(seq_lens)
         real_bt = attn_metadata.block_table[:num_reqs].numpy()
         free = np.asarray(scratch_block_ids, np.int64).reshape(-1)
         used = 0
         trees = plan.tree_by_batch_index()
-        v_qlen, v_seq, v_rows, perm = [], [], [], []
+        v_qlen, v_seq, v_rows = [], [], []
+        perm: list[tuple[int, int, tuple[int, ...] | None]] = []  # (qs, qe, order or in place)
         copies, w_rows, w_slots = [], [], []
         dense, stash = [], []
         for i in range(num_reqs):
-            qs, qe = int(qsl[i]), int(qsl[i + 1])
+            qs, qe = qsl[i], qsl[i + 1]
             tree = trees.get(i)
             if tree is None:
                 v_qlen.append(qe - qs)
-                v_seq.append(int(seq_lens[i]))
+                v_seq.append(seq_lens[i])
                 v_rows.append(real_bt[i])
-                perm.append(np.arange(qs, qe))
+                perm.append((qs, qe, None))
                 continue
             n = tree.num_nodes
             if qe - qs != n:
                 raise ValueError(f"tree request {i}: {qe - qs} scheduled tokens, {n} tree nodes")
-            prefix = int(seq_lens[i]) - n
+            prefix = seq_lens[i] - n
             stash.append((i, qs, n))
             split = split_paths(tree.parents)
             spans = path_block_spans(split, prefix, bs)
@@ -241,9 +249,9 @@ class VirtualBatch:
                 dense.append(_DenseTree(i, qs, prefix, torch.from_numpy(tree.ancestor_mask),
                                         torch.from_numpy(tree.depths + prefix)))
                 v_qlen.append(n)
-                v_seq.append(int(seq_lens[i]))
+                v_seq.append(seq_lens[i])
                 v_rows.append(real_bt[i])
-                perm.append(np.arange(qs, qe))
+                perm.append((qs, qe, None))
                 continue
             tail_block = prefix // bs if prefix % bs else -1
             copied = [r.start == tail_block for r in spans]
@@ -268,22 +276,32 @@ class VirtualBatch:
                         w_rows.append(qs + v)
                         w_slots.append(ids[pos // bs - span.start] * bs + pos % bs)
             if len(copy_ids):
-                run = bool((np.diff(copy_ids) == 1).all())
+                ids_list = copy_ids.tolist()
+                run = ids_list == list(range(ids_list[0], ids_list[0] + len(ids_list)))
                 copies.append(_TailCopy(int(real_bt[i][tail_block]), torch.from_numpy(copy_ids),
-                                        int(copy_ids[0]) if run else -1))
+                                        ids_list[0] if run else -1))
             v_rows.extend(rows)
             v_qlen.extend(len(p) - int(s) for p, s in zip(split.nodes, split.shared))
             v_seq.extend(prefix + len(p) for p in split.nodes)
-            perm.append(qs + np.array(split.order, np.int64))
-        perm_np = np.concatenate(perm).astype(np.int64) if perm else np.zeros(0, np.int64)
+            perm.append((qs, qe, None if split.order == tuple(range(n)) else split.order))
+        # Plain Python on a few numbers, numpy/torch once each (this runs once per step, but
+        # right after vLLM's input preparation, where each small numpy call costs 10-20 us).
+        num_tokens = perm[-1][1] if perm else 0
+        identity = all(order is None for _, _, order in perm) and all(
+            qs == end for (qs, _, _), end in zip(perm, [0] + [qe for _, qe, _ in perm]))
+        if identity:
+            perm_t = torch.arange(num_tokens, dtype=torch.int64)
+        else:
+            perm_t = torch.tensor([j for qs, qe, order in perm for j in (
+                range(qs, qe) if order is None else (qs + v for v in order))],
+                dtype=torch.int64)
 
         return cls(
-            block_size=bs, perm=torch.from_numpy(perm_np),
-            identity=bool(np.array_equal(perm_np, np.arange(perm_np.shape[0]))),
-            query_start_loc=torch.from_numpy(
-                np.concatenate([[0], np.cumsum(v_qlen)]).astype(np.int32)),
+            block_size=bs, perm=perm_t, identity=identity,
+            query_start_loc=torch.tensor([0, *itertools.accumulate(v_qlen)],
+                                         dtype=torch.int32),
             seq_lens=torch.tensor(v_seq, dtype=torch.int32),
-            block_table=torch.from_numpy(np.stack(v_rows).astype(np.int32)),
+            block_table=torch.from_numpy(np.stack(v_rows).astype(np.int32, copy=False)),
             tail_copies=tuple(copies), write_rows=torch.tensor(w_rows, dtype=torch.int64),
             write_first=w_rows[0] if w_rows and w_rows == list(
                 range(w_rows[0], w_rows[0] + len(w_rows))) else -1,
