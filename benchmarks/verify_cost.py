@@ -71,7 +71,7 @@ def _row(mode: str, context: int, n: int, seconds) -> dict:
 
 
 def measure(model: str, dtype: str, mode: str, contexts: list[int], nodes: list[int],
-            steps: int) -> list[dict]:
+            steps: int, kv_cache_mib: int = 512) -> list[dict]:
     """Rows (mode, context, nodes, median ms, p10, p90) for one engine kind; mode "paired"
     gives rows "paired-chain" and "paired-tree" from one tree-mode engine (2 x ``steps``
     steps, the shape drawn per step)."""
@@ -98,7 +98,7 @@ def measure(model: str, dtype: str, mode: str, contexts: list[int], nodes: list[
                 "node_budget": max(nodes), "suffix_len": 0, "max_depth": 64,
                 "draft_mode": "chain" if mode == "chain" else "tree"}
     Drafter.propose = propose
-    llm = LLM(**engine_kwargs(model, dtype=dtype, kv_cache_mib=512,
+    llm = LLM(**engine_kwargs(model, dtype=dtype, kv_cache_mib=kv_cache_mib,
                               max_model_len=max(contexts) + 4 * steps + max(nodes) + 64,
                               speculative_config=spec))
     rng = np.random.default_rng(0)
@@ -140,7 +140,10 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
              "tokens (root + n - 1 drafts); x plain = T / T(plain decode) at the same context; "
              "tree/chain = median [min-max] over rounds of the same round's tree pass over its "
              "chain pass of the same n; paired = the same, from one tree-mode engine drawing "
-             "the shape per step (both shapes under the same host load).", "",
+             "the shape per step (both shapes under the same host load). Tree-mode engines "
+             "(tree, paired) run RECAP's CPU default block size 32, plain and chain vLLM's 128"
+             + (f"; KV cache {meta['kv_cache_mib']} MiB per engine" if meta.get("kv_cache_mib")
+                else "") + ".", "",
              "| context | n | plain ms | chain ms (x plain) | tree ms (x plain) | tree / chain "
              "| tree / chain, paired |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -186,6 +189,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="rounds, each running plain, chain, tree and paired in turn (default: "
                         "3): on a shared host one mode after another drifts by more than the "
                         "effect")
+    p.add_argument("--kv-cache-mib", type=int, default=2048,
+                   help="KV cache per engine (default 2048): RECAP keeps 1/16 of it, 16-128 "
+                        "blocks, as tree scratch, and a tree that does not fit is recomputed "
+                        "densely; SmolLM2 at 2048 MiB keeps 128 blocks of 32, enough for the "
+                        "bushy 64-node tree's 48 paths (512 MiB kept 43: n = 64 measured the "
+                        "dense fallback)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -195,9 +204,11 @@ def main(argv: list[str] | None = None) -> dict:
     for r in range(args.rounds):
         for mode in ("plain", "chain", "tree", "paired"):
             rows += [dict(row, round=r)
-                     for row in measure(model, dtype, mode, contexts, nodes, args.steps)]
+                     for row in measure(model, dtype, mode, contexts, nodes, args.steps,
+                                        args.kv_cache_mib)]
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), model=args.model,
-                dtype=dtype, cpu=cpu_model(), steps=args.steps, rounds=args.rounds)
+                dtype=dtype, cpu=cpu_model(), steps=args.steps, rounds=args.rounds,
+                kv_cache_mib=args.kv_cache_mib)
     result = {"meta": meta, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
