@@ -34,6 +34,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs 
 
 OUT = Path(__file__).resolve().parent / "results" / "verify_cost"
 WIDTH = 4  # branching of the forced bushy trees
+# KV cache per engine: RECAP keeps 1/16 of it (16-128 blocks) as tree scratch, and a tree that
+# does not fit is recomputed densely; at 2048 MiB SmolLM2 keeps 128 blocks of 32, enough for
+# the bushy 64-node tree's 48 paths (512 MiB kept 43: n = 64 measured the dense fallback).
+KV_CACHE_MIB = 2048
 
 
 def forced_tree(root: int, n: int, shape: str, vocab: int):
@@ -172,12 +176,8 @@ def _spread(ratios: list[float]) -> str:
     return f"{ratios[0]:.2f}" if ratios else ""
 
 
-def main(argv: list[str] | None = None) -> dict:
-    import datetime
-
-    from benchmarks.machine import cpu_model, resolve_dtype
-    from vllm_recap.models import resolve_model
-
+def parser() -> argparse.ArgumentParser:
+    """The command line (its defaults are what the README's figures use)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.verify_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -189,13 +189,21 @@ def main(argv: list[str] | None = None) -> dict:
                    help="rounds, each running plain, chain, tree and paired in turn (default: "
                         "3): on a shared host one mode after another drifts by more than the "
                         "effect")
-    p.add_argument("--kv-cache-mib", type=int, default=2048,
-                   help="KV cache per engine (default 2048): RECAP keeps 1/16 of it, 16-128 "
-                        "blocks, as tree scratch, and a tree that does not fit is recomputed "
-                        "densely; SmolLM2 at 2048 MiB keeps 128 blocks of 32, enough for the "
-                        "bushy 64-node tree's 48 paths (512 MiB kept 43: n = 64 measured the "
-                        "dense fallback)")
+    p.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
+                   help=f"KV cache per engine (default {KV_CACHE_MIB}): large enough that "
+                        "every forced tree fits RECAP's scratch reserve (else it is "
+                        "recomputed densely and the row measures that fallback)")
     p.add_argument("--out", type=Path, default=OUT)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import datetime
+
+    from benchmarks.machine import cpu_model, resolve_dtype
+    from vllm_recap.models import resolve_model
+
+    p = parser()
     args = p.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     nodes = [int(x) for x in args.nodes.split(",")]
