@@ -75,7 +75,7 @@ def _row(mode: str, context: int, n: int, seconds) -> dict:
 
 
 def measure(model: str, dtype: str, mode: str, contexts: list[int], nodes: list[int],
-            steps: int, kv_cache_mib: int = 512) -> list[dict]:
+            steps: int, kv_cache_mib: int = KV_CACHE_MIB) -> list[dict]:
     """Rows (mode, context, nodes, median ms, p10, p90) for one engine kind; mode "paired"
     gives rows "paired-chain" and "paired-tree" from one tree-mode engine (2 x ``steps``
     steps, the shape drawn per step)."""

@@ -276,21 +276,18 @@ class VirtualBatch:
                         w_rows.append(qs + v)
                         w_slots.append(ids[pos // bs - span.start] * bs + pos % bs)
             if len(copy_ids):
-                ids_list = copy_ids.tolist()
-                run = ids_list == list(range(ids_list[0], ids_list[0] + len(ids_list)))
                 copies.append(_TailCopy(int(real_bt[i][tail_block]), torch.from_numpy(copy_ids),
-                                        ids_list[0] if run else -1))
+                                        _run_start(copy_ids.tolist())))
             v_rows.extend(rows)
             v_qlen.extend(len(p) - int(s) for p, s in zip(split.nodes, split.shared))
             v_seq.extend(prefix + len(p) for p in split.nodes)
             perm.append((qs, qe, None if split.order == tuple(range(n)) else split.order))
         # Plain Python on a few numbers, numpy/torch once each (this runs once per step, but
         # right after vLLM's input preparation, where each small numpy call costs 10-20 us).
-        num_tokens = perm[-1][1] if perm else 0
-        identity = all(order is None for _, _, order in perm) and all(
-            qs == end for (qs, _, _), end in zip(perm, [0] + [qe for _, qe, _ in perm]))
+        # Requests' query runs are consecutive (query_start_loc), so only trees reorder.
+        identity = all(order is None for _, _, order in perm)
         if identity:
-            perm_t = torch.arange(num_tokens, dtype=torch.int64)
+            perm_t = torch.arange(qsl[num_reqs], dtype=torch.int64)
         else:
             perm_t = torch.tensor([j for qs, qe, order in perm for j in (
                 range(qs, qe) if order is None else (qs + v for v in order))],
@@ -303,8 +300,7 @@ class VirtualBatch:
             seq_lens=torch.tensor(v_seq, dtype=torch.int32),
             block_table=torch.from_numpy(np.stack(v_rows).astype(np.int32, copy=False)),
             tail_copies=tuple(copies), write_rows=torch.tensor(w_rows, dtype=torch.int64),
-            write_first=w_rows[0] if w_rows and w_rows == list(
-                range(w_rows[0], w_rows[0] + len(w_rows))) else -1,
+            write_first=_run_start(w_rows),
             write_slots=torch.tensor(w_slots, dtype=torch.int64),
             dense=tuple(dense), stash=tuple(stash), scratch_used=used)
 
@@ -340,28 +336,24 @@ class PathsState:
     """``ctx.backend_state`` of the path backend: one :class:`VirtualBatch` per KV-cache
     group (per attention-metadata object) of the step.
 
-    Every layer of a tree step asks for its group's batch; the last one handed out is
-    checked first (one identity test: a per-layer dict lookup and the scratch ids cost
-    ~14 us a layer right after the linear layers, ~0.4 ms a 30-layer pass).
+    Every layer of a tree step asks for its group's batch: a scan by identity over the
+    step's few groups (usually one), with the scratch ids asked for only when a batch is
+    built (a dict lookup plus the ids cost ~14 us a layer right after the linear layers).
     """
 
     def __init__(self) -> None:
-        self._batches: dict[int, tuple[Any, VirtualBatch]] = {}
-        self._last: tuple[Any, VirtualBatch] | None = None
+        self._batches: list[tuple[Any, VirtualBatch]] = []
 
     def get(self, ctx: StepContext, attn_metadata: Any, block_size: int,
             scratch_block_ids: Callable[[], Sequence[int] | np.ndarray]
             | Sequence[int] | np.ndarray) -> VirtualBatch:
-        last = self._last
-        if last is not None and last[0] is attn_metadata:
-            return last[1]
-        hit = self._batches.get(id(attn_metadata))
-        if hit is None or hit[0] is not attn_metadata:
-            ids = scratch_block_ids() if callable(scratch_block_ids) else scratch_block_ids
-            hit = (attn_metadata, VirtualBatch.build(ctx.plan, attn_metadata, block_size, ids))
-            self._batches[id(attn_metadata)] = hit
-        self._last = hit
-        return hit[1]
+        for metadata, batch in self._batches:
+            if metadata is attn_metadata:
+                return batch
+        ids = scratch_block_ids() if callable(scratch_block_ids) else scratch_block_ids
+        batch = VirtualBatch.build(ctx.plan, attn_metadata, block_size, ids)
+        self._batches.append((attn_metadata, batch))
+        return batch
 
 
 def step_virtual_batch(ctx: StepContext, attn_metadata: Any, block_size: int,
@@ -468,6 +460,13 @@ def _split_cache(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch
     key_cache, value_cache = kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
     impl._recap_cache_views = (kv_cache, key_cache, value_cache)
     return key_cache, value_cache
+
+
+def _run_start(values: list[int]) -> int:
+    """values[0] when values are values[0], values[0] + 1, ... (one narrow() / copy_), else -1."""
+    if values and values == list(range(values[0], values[0] + len(values))):
+        return values[0]
+    return -1
 
 
 @functools.lru_cache(maxsize=1)
