@@ -166,6 +166,27 @@ def test_best_first_is_a_parents_first_layout_by_capped_score(parents: np.ndarra
     assert np.all(np.diff(capped[order]) <= 1e-12)
 
 
+@settings(max_examples=60, deadline=None)
+@given(parents_first_trees(max_nodes=40))
+def test_best_first_orders_ties_shallower_then_earlier(parents: np.ndarray) -> None:
+    # Few distinct scores: capped ties are the rule, and their order is the layout's contract
+    # (every tensor-parallel rank must lay out the same tree). Reference: numpy's lexsort.
+    n = parents.shape[0]
+    rng = np.random.default_rng(n)
+    scores = np.r_[1.0, rng.choice([0.9, 0.5, 0.25], n - 1)].astype(np.float32)
+    tree = DraftTree(np.arange(n) + 7, parents.astype(np.int32), scores)
+    capped = scores.astype(np.float64)
+    for i in range(1, n):
+        capped[i] = min(capped[i], capped[parents[i]])
+    order = np.lexsort((np.arange(n), tree_depths(parents), -capped))
+    best = tree.best_first()
+    best.validate()
+    assert best.sources is None
+    np.testing.assert_array_equal(best.tokens, np.arange(n)[order] + 7)
+    np.testing.assert_array_equal(best.scores, scores[order])
+    assert best.chain_len == DraftTree(best.tokens, best.parents, best.scores).chain_len
+
+
 def test_depth_first_puts_the_best_chain_first_and_each_path_in_one_run() -> None:
     # best-first layout of the tree above: [0, 1, 4, 2, 3] -> depth first [0, 1, 2, 3, 4]
     tree = DraftTree(np.arange(5), np.array([-1, 0, 1, 2, 0]), np.array([1.0, .9, .4, .3, .5]))

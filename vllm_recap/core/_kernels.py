@@ -595,6 +595,61 @@ def best_chain_length(parents, scores):
     return length
 
 
+@njit(cache=True, inline="always")
+def _laid_after(a, b, capped, depths):
+    """Whether node a goes after node b best first: lower capped score, then deeper, then
+    the later index."""
+    if capped[a] != capped[b]:
+        return capped[a] < capped[b]
+    if depths[a] != depths[b]:
+        return depths[a] > depths[b]
+    return a > b
+
+
+@njit(cache=True)
+def relay_best_first(tokens, parents, scores, depths, sources, has_sources, out_ints,
+                     out_scores):
+    """Lays a tree out best node first (`DraftTree.best_first`, one call instead of a dozen
+    numpy calls on a few numbers, each 10-20 us right after the forward pass).
+
+    Order: by score capped by the ancestors' (so parents come first), ties to the shallower
+    then the earlier node (insertion sort: n is at most a few dozen).
+
+    Args:
+        tokens, parents, scores, depths: [n] the tree (int64, int64, float64, int64).
+        sources: [n] int64 source bits (any [n] int64 array when ``has_sources`` is False).
+        out_ints: [4, n] int64 out: tokens, parents re-indexed, depths, sources.
+        out_scores: [n] float64 out.
+
+    Returns the new layout's best chain length (`best_chain_length`).
+    """
+    n = parents.shape[0]
+    capped = np.empty(n)
+    capped[0] = scores[0]
+    for i in range(1, n):
+        c = capped[parents[i]]
+        capped[i] = c if c < scores[i] else scores[i]
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        v = i
+        j = i - 1
+        while j >= 0 and _laid_after(order[j], v, capped, depths):
+            order[j + 1] = order[j]
+            j -= 1
+        order[j + 1] = v
+    new_index = np.empty(n, np.int64)
+    for i in range(n):
+        new_index[order[i]] = i
+    for i in range(n):
+        u = order[i]
+        out_ints[0, i] = tokens[u]
+        out_ints[1, i] = new_index[parents[u]] if parents[u] >= 0 else -1
+        out_ints[2, i] = depths[u]
+        out_ints[3, i] = sources[u] if has_sources else 0
+        out_scores[i] = scores[u]
+    return best_chain_length(out_ints[1], out_scores)
+
+
 @njit(cache=True)
 def _chain_order(par, score, n):
     """The root, then the best chain at 1..L. Returns (order [n], filled up to L;

@@ -190,10 +190,12 @@ class LevelOutcomes:
     """
 
     def __init__(self) -> None:
-        # (level, chain) -> [weight, sum cost ratio, sum gain ratio]
-        self._sums: dict[tuple[int, bool], np.ndarray] = {}
+        # (level, chain) -> [weight, sum cost ratio, sum gain ratio]; Python floats, not
+        # numpy: the controller reads ~20 of these a step, and numpy scalars made every
+        # rate computed from them several times slower
+        self._sums: dict[tuple[int, bool], list[float]] = {}
         # chain -> the same sums over every level of that shape
-        self._pooled: dict[bool, np.ndarray] = {}
+        self._pooled: dict[bool, list[float]] = {}
 
     @staticmethod
     def _shrunk(sums, prior: tuple[float, float]) -> tuple[float, float]:
@@ -227,10 +229,9 @@ class LevelOutcomes:
         cost = min(hi, max(lo, seconds / max(decision.seconds, 1e-9)))
         # accepted drafts over expected, on 1 + each so a small expectation cannot explode it
         gain = min(hi, max(lo, (1.0 + accepted) / (1.0 + decision.gain)))
-        for sums in (self._sums.setdefault((decision.level, decision.chain), np.zeros(3)),
-                     self._pooled.setdefault(decision.chain, np.zeros(3))):
-            sums *= OUTCOME_DECAY
-            sums += (1.0, cost, gain)
+        for sums in (self._sums.setdefault((decision.level, decision.chain), [0.0] * 3),
+                     self._pooled.setdefault(decision.chain, [0.0] * 3)):
+            sums[:] = [OUTCOME_DECAY * s + x for s, x in zip(sums, (1.0, float(cost), float(gain)))]
 
 
 class BudgetController:

@@ -554,6 +554,7 @@ def warmup() -> float:
                                           int(rng.integers(0, vocab - 1))])
             drafter.stop("warmup")
     DraftTree(tree.tokens, tree.parents, tree.scores)  # best_chain_length (trees built by hand)
+    DraftTree(np.arange(3), np.array([-1, 0, 0]), np.array([1.0, 0.4, 0.5])).best_first()
     fuse(np.arange(16).reshape(2, 8), np.ones((2, 8)))  # fuse_rows
     store = ContextStore(k, 4 * ContextStore.INITIAL_ROWS)
     store.reserve(2 * ContextStore.INITIAL_ROWS)  # compiles rehash

@@ -207,7 +207,7 @@ class StepCostModel:
         self.steps += 1
         if drafts <= 0:
             seconds -= work
-        if num_tokens <= 0 or not np.isfinite(seconds) or seconds <= 0:
+        if num_tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         ctx = self.context_bucket(context)
         if drafts > 0:

@@ -103,13 +103,14 @@ class DraftTree:
         n = self.num_nodes
         if n <= 2:
             return self
-        capped = self.scores.tolist()
-        parents = self.parents.tolist()
-        for i in range(1, n):  # parents first: one pass (Python floats: n <= ~64)
-            if capped[parents[i]] < capped[i]:
-                capped[i] = capped[parents[i]]
-        order = np.lexsort((np.arange(n), self.depths, -np.asarray(capped)))
-        return self._relaid(order)
+        ints, scores = np.empty((4, n), np.int64), np.empty(n)
+        sources = self.sources
+        chain = kernels.relay_best_first(
+            _int64(self.tokens), _int64(self.parents), _float64(self.scores),
+            _int64(self.depths), self.parents if sources is None else _int64(sources),
+            sources is not None, ints, scores)
+        return DraftTree(ints[0], ints[1], scores, chain, ints[2],
+                         None if sources is None else ints[3])
 
     def depth_first(self) -> DraftTree:
         """The same tree in depth-first preorder, children in layout order.
@@ -182,6 +183,20 @@ class DraftTree:
             raise ValueError(f"tokens/parents/scores/depths shapes differ: {shapes}")
         if not np.array_equal(tree_depths(self.parents), self.depths):
             raise ValueError(f"depths {self.depths.tolist()} do not match the parents")
+
+
+def _int64(a: np.ndarray) -> np.ndarray:
+    """A contiguous int64 array (a no-op for the builders' arrays: the kernels compile for
+    one specialisation)."""
+    if a.dtype == np.int64 and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a, np.int64)
+
+
+def _float64(a: np.ndarray) -> np.ndarray:
+    if a.dtype == np.float64 and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a, np.float64)
 
 
 def first_path_nodes(parents: list[int]) -> list[int]:

@@ -80,8 +80,13 @@ def as_scheduled(tree: DraftTree, laid: DraftTree | None, drafts: Sequence[int])
     n = len(drafts)
     if n < 2:
         return tree
-    want = np.asarray(drafts, np.int64)
     ours = laid is not None and laid.num_drafts == n
+    # The usual step: this rank's own subtree went out as laid. (A laid chain still takes the
+    # checks below: a subtree with the same tokens comes first, on every rank.) Plain Python
+    # lists: numpy calls on a few numbers cost 10-20 us each right after the forward pass.
+    if ours and laid.chain_len < n and laid.draft_tokens.tolist() == list(drafts):
+        return laid
+    want = np.asarray(drafts, np.int64)
     # the subtree holds the tree's first n drafts in another order: unless the drafts are
     # those tokens, it cannot be what was sent (skips laying it out for most chains)
     if sorted(want.tolist()) == sorted(tree.tokens[1:1 + n].tolist()):
@@ -96,8 +101,7 @@ def as_scheduled(tree: DraftTree, laid: DraftTree | None, drafts: Sequence[int])
 
 def _is_prefix(drafts: Sequence[int], tree: DraftTree) -> bool:
     n = len(drafts)
-    return n <= tree.num_drafts and np.array_equal(np.asarray(drafts, np.int64),
-                                                   tree.tokens[1:1 + n])
+    return n <= tree.num_drafts and tree.tokens[1:1 + n].tolist() == list(drafts)
 
 
 def rewrite_positions(positions: torch.Tensor, mrope_positions: torch.Tensor | None,
