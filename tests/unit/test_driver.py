@@ -421,3 +421,36 @@ def test_an_arriving_request_resets_the_probe_back_off():
     assert driver._probe_every <= 2 * PROBE_EVERY
     # the new request was probed (full work) within PROBE_EVERY steps of its arrival
     assert driver.stats["steps"] - driver.stats["idle_steps"] > busy_before
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.05])
+def test_penalised_greedy_requests_store_penalised_prompt_and_chain_rows(penalty, monkeypatch):
+    # Rows outside trees (prompt seeds, chain and single rows) of a greedy request with a
+    # repetition penalty are stored as the penalised rows its drafts will be checked against:
+    # seeds with the prompt as the penalty's history (at decode time every prompt token is
+    # penalised), step rows with the output so far and the row's own chain path.
+    from vllm_recap.vllm import driver as driver_module
+    from vllm_recap.vllm import seeding
+
+    calls = []
+
+    def spy(where):
+        def process(logits, rows, ids, probs, state, paths):
+            calls.append((where, len(state.output_token_ids), [list(p) for p in paths]))
+        return process
+
+    monkeypatch.setattr(seeding, "process_rows", spy("seed"))
+    monkeypatch.setattr(driver_module, "process_rows", spy("step"))
+    engine = FakeEngine([make_driver(tree_mode=False)])
+    engine.add("a", PROMPTS["a"], 60, greedy_params(repetition_penalty=penalty))
+    engine.run()
+    if penalty == 1.0:
+        assert calls == []  # plain greedy: raw rows, nothing processed
+        return
+    seeds = [c for c in calls if c[0] == "seed"]
+    steps = [c for c in calls if c[0] == "step"]
+    assert seeds and all(n == 0 and all(p == [] for p in paths) for _, n, paths in seeds)
+    assert steps and max(n for _, n, _ in steps) >= 1  # the output so far is penalised
+    # a chain's row d carries the first d drafts as its path
+    drafted = [paths for _, _, paths in steps if len(paths) > 1]
+    assert drafted and all(len(p) == d for paths in drafted for d, p in enumerate(paths))

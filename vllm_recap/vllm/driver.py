@@ -32,9 +32,11 @@ from vllm_recap.vllm.context import StepContext, StepRows, StepScope
 from vllm_recap.vllm.eligibility import SamplingFacts, surely_finished
 from vllm_recap.vllm.layout import (as_scheduled, build_plan, next_prefill_tokens,
                                     rewrite_positions)
+from vllm_recap.vllm.memory_rows import memory_state, process_rows
 from vllm_recap.vllm.metrics import TreeMetrics, log_idle
 from vllm_recap.vllm.records import RequestBook
 from vllm_recap.vllm.seeding import MAX_ROWS_PER_STEP, PromptSeeder
+from vllm_recap.vllm.tree_sampling import RequestSampling
 from vllm_recap.vllm.tree_verify import tree_output
 from vllm_recap.vllm.tree_verify import prepare as prepare_trees
 from vllm_recap.vllm.tree_verify import write as write_trees
@@ -277,6 +279,10 @@ class StepDriver:
             if trees.memory_rows is not None:  # rows of processed distributions replace raw
                 flat, processed_ids, processed_probs = trees.memory_rows
                 ids[flat], probs[flat] = processed_ids, processed_probs
+        if len(plan.trees) < len(plan.req_ids):  # before vLLM's sampler edits the logits
+            self._process_step_rows(runner, plan, logits, rows, {t.batch_index for t in plan.trees}
+                                    if trees is not None and trees.memory_rows is not None
+                                    else set())
         if trees is not None and len(plan.trees) == len(plan.req_ids) and trees.raw is None:
             # Every request verifies a tree and none wants logprobs: vLLM's rejection sampler
             # would process every draft row as a chain (top-k/top-p sorts over the vocabulary
@@ -323,7 +329,7 @@ class StepDriver:
             self.clock.step_finished(ctx.timing)
             return drafts
         t0 = time.perf_counter()
-        self._seed_prompts(ctx, hidden_states)
+        self._seed_prompts(runner, ctx, hidden_states)
         rooms = [self._advance(runner, ctx, i, sampled)
                  for i, sampled in enumerate(sampled_token_ids)]
         if ctx.decision is not None:
@@ -487,13 +493,39 @@ class StepDriver:
             budget = min(budget, self.config.batch_node_budget // num_decoding)
         return max(0, budget)
 
-    def _seed_prompts(self, ctx: StepContext, hidden_states: torch.Tensor) -> None:
+    def _seed_prompts(self, runner, ctx: StepContext, hidden_states: torch.Tensor) -> None:
         if ctx.seeding is None or self.compute_logits is None:
             return
         t0 = time.perf_counter()
         self.seeder.finish(ctx.seeding, ctx.plan, hidden_states, self.compute_logits,
-                           self.records)
+                           self.records, lambda r: self._memory_state(runner, r, prompt=True))
         ctx.timing.seeding += time.perf_counter() - t0
+
+    def _memory_state(self, runner, req_id: str, prompt: bool = False) -> RequestSampling | None:
+        """The request's memory-row state (:func:`~vllm_recap.vllm.memory_rows.memory_state`;
+        ``prompt``: of its prompt alone), None for raw rows (plain greedy requests, read
+        from the facts kept on their records)."""
+        state = runner.requests.get(req_id)
+        if state is None or req_id not in self.records or self._facts(runner, req_id).plain:
+            return None
+        return memory_state(state.sampling_params, state.prompt_token_ids,
+                            () if prompt else state.output_token_ids)
+
+    def _process_step_rows(self, runner, plan, logits: torch.Tensor, rows: StepRows,
+                           done: set[int]) -> None:
+        """The step's memory rows of processed requests outside ``done`` (batch rows whose
+        tree rows were processed already) in their processed form (see memory_rows)."""
+        starts = plan.logits_starts.tolist()
+        for i, req_id in enumerate(plan.req_ids):
+            if i in done or starts[i + 1] == starts[i]:
+                continue
+            state = self._memory_state(runner, req_id)
+            if state is None:
+                continue
+            s, e = starts[i], starts[i + 1]
+            drafts = rows.node_tokens[s + 1:e].tolist()  # a chain's: row d's path is d drafts
+            process_rows(logits, np.arange(s, e), rows.ids, rows.probs, state,
+                         [drafts[:d] for d in range(e - s)])
 
     # -- the target model's LM head (prompt rows ride along; see vllm_recap.vllm.seeding) ----
 

@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 from vllm_recap.vllm.context import StepPlan
+from vllm_recap.vllm.memory_rows import process_rows
 from vllm_recap.vllm.records import RequestBook
+from vllm_recap.vllm.tree_sampling import RequestSampling
 from vllm_recap.vllm.verifier import topk_rows
 
 # LM-head multiply-adds per step for prompt rows on a CPU (compute only, the weights are read
@@ -179,7 +181,8 @@ class PromptSeeder:
 
     def finish(self, step: SeedStep, plan: StepPlan, hidden_states: torch.Tensor,
                compute_logits: Callable[[torch.Tensor], torch.Tensor],
-               records: RequestBook) -> None:
+               records: RequestBook,
+               states: Callable[[str], RequestSampling | None] | None = None) -> None:
         """After the step: keeps the picked rows beyond this step's bound for later, computes
         this step's rows if the fused call did not, and delivers them.
 
@@ -189,6 +192,9 @@ class PromptSeeder:
             hidden_states: [T, hidden] the step's last hidden states (flat token batch).
             compute_logits: the target model's own ``compute_logits``.
             records: the request records (waiting rows; the drafter, for started requests).
+            states: request id -> its memory rows' sampling state
+                (:func:`~vllm_recap.vllm.memory_rows.memory_state` of its prompt alone: at
+                decode time every prompt token is penalised), None for raw rows.
         """
         later = self._picked_hidden(step, plan, hidden_states, step.now, None)
         if later:
@@ -208,6 +214,10 @@ class PromptSeeder:
         offset = 0
         for req_id, positions in destinations:
             m = len(positions)
+            state = states(req_id) if states is not None else None
+            if state is not None:
+                process_rows(logits, np.arange(offset, offset + m), ids, probs, state,
+                             [()] * m)
             part = (ids[offset:offset + m], probs[offset:offset + m], positions)
             if records.drafter.has_request(req_id):  # decoding already: straight in
                 records.drafter.add_prompt_rows(req_id, part)
