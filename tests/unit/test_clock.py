@@ -12,8 +12,8 @@ pytestmark = pytest.mark.unit
 
 
 def _run_step(clock: StepClock, timing: StepTiming, tokens: int = 1, pause: float = 0.002,
-              tree: bool = False):
-    previous = clock.step_started(tokens, 100.0, tree=tree)
+              tree: bool = False, drafts: int = 0):
+    previous = clock.step_started(tokens, 100.0, drafts, tree=tree)
     time.sleep(pause)
     clock.step_finished(timing)
     return previous
@@ -34,6 +34,21 @@ def test_seeding_is_taken_out_and_shared_lm_head_steps_are_skipped():
 def test_a_step_reports_whether_it_verified_a_tree():
     """The budget prices tree steps and chain steps from separate tables."""
     clock = StepClock()
-    _run_step(clock, StepTiming(), tokens=5, tree=True)
+    for _ in range(2):  # each drafted shape's first step is not reported (see below)
+        _run_step(clock, StepTiming(), tokens=5, drafts=4, tree=True)
     assert _run_step(clock, StepTiming(), tokens=5)[-1] is True
     assert _run_step(clock, StepTiming())[-1] is False
+
+
+def test_the_first_drafted_step_of_each_shape_is_not_reported():
+    """A new shape's first drafted pass pays one-time costs (kernels set up per row count,
+    buffers allocated): the first drafted step of a fresh engine ran >= 3x its estimate and
+    set the budget's tree cost ratio to 1.5 for a whole run, which then idled in 680-777 of
+    ~870 steps (benchmarks.proposer_profile --sampling qwen_vl; 64-469 with this rule)."""
+    clock = StepClock()
+    _run_step(clock, StepTiming(), tokens=9)
+    assert _run_step(clock, StepTiming(), tokens=9, drafts=8, tree=True)[0] == 9  # plain: kept
+    assert _run_step(clock, StepTiming(), tokens=9, drafts=8) is None  # first 9-token tree
+    assert _run_step(clock, StepTiming(), tokens=9, drafts=8, tree=True) is None  # 1st chain
+    assert _run_step(clock, StepTiming(), tokens=1)[-1] is True  # a second 9-token tree step
+    assert _run_step(clock, StepTiming(), tokens=1)[0] == 1

@@ -38,6 +38,14 @@ class StepClock:
         self._excluded = 0.0
         self._work = 0.0
         self._shared = False
+        # (tokens, tree) of drafted steps whose first step has run: the first drafted pass of
+        # a new shape pays one-time costs (the CPU's matmul kernels are set up per row count,
+        # the tree path's buffers are allocated). Measured: the first drafted step of a fresh
+        # engine (24 nodes at batch 2) ran at >= 3x its estimate, and that one sample set the
+        # budget's tree cost ratio to 1.5 for the rest of the run, which then idled in 680 to
+        # 777 of ~870 steps (benchmarks.proposer_profile --sampling qwen_vl; 64-469 without
+        # it). Steps without drafts are always reported: the budget measures those first.
+        self._shapes: set[tuple[int, bool]] = set()
 
     def step_started(self, num_tokens: int, context: float, drafts: int = 0,
                      tree: bool = False) -> tuple[int, float, float, int, float, bool] | None:
@@ -47,14 +55,18 @@ class StepClock:
         Returns:
             (tokens, seconds, context, drafts, work, tree) of the previous step -- ``work`` is
             RECAP's own part of its seconds (seeding excluded from both) -- or None when it is
-            unknown (first step, the engine was idle before this one, or prompt rows rode
-            along with its LM-head call).
+            unknown (first step, the engine was idle before this one, prompt rows rode
+            along with its LM-head call, or it was the first drafted step of its shape).
         """
         now = time.perf_counter()
         previous = None
-        if self._begin is not None and now - self._end < IDLE_GAP_S and not self._shared:
+        shape = (self._tokens, self._tree)
+        if (self._begin is not None and now - self._end < IDLE_GAP_S and not self._shared
+                and (self._drafts == 0 or shape in self._shapes)):
             previous = (self._tokens, now - self._begin - self._excluded, self._context,
                         self._drafts, self._work, self._tree)
+        if self._begin is not None and self._drafts > 0:
+            self._shapes.add(shape)
         self._begin, self._tokens, self._excluded, self._work = now, num_tokens, 0.0, 0.0
         self._drafts, self._tree, self._shared = drafts, tree, False
         self._context = context
