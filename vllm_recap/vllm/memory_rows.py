@@ -7,8 +7,9 @@ prefill and the rows of steps without a tree (a chain, or no drafts). Those stor
 model's top-K, and drafts read from them proposed the raw argmax where the processed one
 differs. Under Qwen2.5-VL's recommended settings (repetition penalty 1.05, greedy-equivalent)
 that is common: on 26 Spec-Bench prompts x 128 tokens (SmolLM2, float32) the penalty moved
-the argmax away from the raw one at 8.9% of the generated positions -- mostly away from a
-token the prompt or the answer already holds, the tokens a copying draft proposes.
+the argmax away from the raw one at 8.9% of the generated positions -- each time away from a
+token the prompt or the answer already holds (a penalty only lowers those), the tokens a
+copying draft proposes.
 
 Here those rows of greedy-equivalent requests with penalties are processed as their tree
 rows are (:func:`candidate_memory_rows`: the raw top-K candidates penalised over the request's
