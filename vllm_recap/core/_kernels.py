@@ -637,16 +637,10 @@ def relay_best_first(tokens, parents, scores, depths, sources, has_sources, out_
             order[j + 1] = order[j]
             j -= 1
         order[j + 1] = v
-    new_index = np.empty(n, np.int64)
+    _write_order(order, n, (tokens, parents, scores, depths, sources, sources), out_ints,
+                 out_scores)
     for i in range(n):
-        new_index[order[i]] = i
-    for i in range(n):
-        u = order[i]
-        out_ints[0, i] = tokens[u]
-        out_ints[1, i] = new_index[parents[u]] if parents[u] >= 0 else -1
-        out_ints[2, i] = depths[u]
-        out_ints[3, i] = sources[u] if has_sources else 0
-        out_scores[i] = scores[u]
+        out_ints[3, i] = sources[order[i]] if has_sources else 0
     return best_chain_length(out_ints[1], out_scores)
 
 

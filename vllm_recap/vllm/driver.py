@@ -280,9 +280,7 @@ class StepDriver:
                 flat, processed_ids, processed_probs = trees.memory_rows
                 ids[flat], probs[flat] = processed_ids, processed_probs
         if len(plan.trees) < len(plan.req_ids):  # before vLLM's sampler edits the logits
-            self._process_step_rows(runner, plan, logits, rows, {t.batch_index for t in plan.trees}
-                                    if trees is not None and trees.memory_rows is not None
-                                    else set())
+            self._process_step_rows(runner, plan, logits, rows)
         if trees is not None and len(plan.trees) == len(plan.req_ids) and trees.raw is None:
             # Every request verifies a tree and none wants logprobs: vLLM's rejection sampler
             # would process every draft row as a chain (top-k/top-p sorts over the vocabulary
@@ -511,11 +509,11 @@ class StepDriver:
         return memory_state(state.sampling_params, state.prompt_token_ids,
                             () if prompt else state.output_token_ids)
 
-    def _process_step_rows(self, runner, plan, logits: torch.Tensor, rows: StepRows,
-                           done: set[int]) -> None:
-        """The step's memory rows of processed requests outside ``done`` (batch rows whose
-        tree rows were processed already) in their processed form (see memory_rows)."""
+    def _process_step_rows(self, runner, plan, logits: torch.Tensor, rows: StepRows) -> None:
+        """The memory rows of processed requests without a tree this step in their processed
+        form (see memory_rows; tree rows were processed with their walks)."""
         starts = plan.logits_starts.tolist()
+        done = {t.batch_index for t in plan.trees}
         for i, req_id in enumerate(plan.req_ids):
             if i in done or starts[i + 1] == starts[i]:
                 continue
