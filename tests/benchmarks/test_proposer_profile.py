@@ -22,3 +22,15 @@ def test_profile_prints_step_work_and_the_timed_pieces(capsys, tmp_path):
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["steps"] > 0 and saved["work_ms"]["p50"] > 0 and saved["model"] == "smollm2"
     assert saved["pieces"]["_advance"]["calls"] > 0
+
+
+def test_again_times_the_pure_pieces_a_second_time(capsys):
+    proposer_profile.main(["--prompts", "1", "--max-new-tokens", "8", "--again"])
+    out = capsys.readouterr().out
+    for name in proposer_profile.PURE:
+        if name == "tree_output":  # only steps where every request verifies a tree
+            continue
+        first = next(x for x in out.splitlines() if x.strip().startswith(name + " "))
+        again = next(x for x in out.splitlines() if x.strip().startswith(name + " again "))
+        calls = [int(line.split("calls")[1].split()[0]) for line in (first, again)]
+        assert calls[0] == calls[1] > 0, (first, again)

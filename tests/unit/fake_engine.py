@@ -285,7 +285,7 @@ class FakeEngine:
             positions=pos.to(self.device),
             mrope_positions=SimpleNamespace(gpu=None if mrope is None else mrope.to(self.device)),
             uses_mrope=self.uses_mrope,
-            input_ids=SimpleNamespace(cpu=torch.tensor(flat, dtype=torch.int32)),
+            input_ids=_host_buffer(torch.tensor(flat, dtype=torch.int32)),
             requests={r: SimpleNamespace(sampling_params=self.requests[r].params,
                                          prompt_token_ids=self.requests[r].prompt,
                                          output_token_ids=self.requests[r].output,
@@ -403,3 +403,8 @@ class _FakeModel(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.engine._seed_logits(hidden)
+
+
+def _host_buffer(cpu: torch.Tensor) -> SimpleNamespace:
+    """vLLM's ``CpuGpuBuffer`` as the driver reads it: the host tensor and its numpy view."""
+    return SimpleNamespace(cpu=cpu, np=cpu.numpy())

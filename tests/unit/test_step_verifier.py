@@ -273,8 +273,7 @@ def test_topk_rows_ids_by_logit_and_softmax_over_the_k():
 def test_node_tokens_are_the_last_one_plus_drafts_scheduled_tokens():
     plan = _plan()
     # flat batch: r0 prefill [1..5], r1 root + 6 drafts, r2 root + 2 drafts
-    input_ids = torch.tensor([1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22],
-                             dtype=torch.int32)
+    input_ids = np.array([1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22, 0, 0], np.int32)
     assert node_tokens_of_rows(plan, input_ids).tolist() == [5, 10, 11, 12, 13, 14, 15, 16,
                                                              20, 21, 22]
 

@@ -47,7 +47,7 @@ from vllm_recap.vllm.verifier import (compact_kv, node_tokens_of_rows, off_chain
 RUNNER_ATTRIBUTES = (
     "input_batch.req_ids", "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu",
     "input_batch.num_prompt_tokens", "input_batch.num_tokens_no_spec",
-    "input_batch.token_ids_cpu", "query_start_loc.np", "positions", "input_ids.cpu",
+    "input_batch.token_ids_cpu", "query_start_loc.np", "positions", "input_ids.np",
     "requests", "uses_mrope", "model_config.logprobs_mode",
 )
 
@@ -267,7 +267,7 @@ class StepDriver:
                                f"scheduled, {plan.num_drafts.tolist()} planned")
         t0 = time.perf_counter()
         ids, probs = topk_rows(logits, self.config.top_k)
-        rows = StepRows(ids, probs, node_tokens_of_rows(plan, runner.input_ids.cpu))
+        rows = StepRows(ids, probs, node_tokens_of_rows(plan, runner.input_ids.np))
         trees = None
         if plan.trees:  # before vLLM's sampler, which may edit the logits in place
             facts = [self._facts(runner, plan.req_ids[t.batch_index]) for t in plan.trees]

@@ -117,18 +117,22 @@ def row_argmax(logits: torch.Tensor) -> np.ndarray:
     return (chunk * CHUNK + within).cpu().numpy().astype(np.int64)
 
 
-def node_tokens_of_rows(plan: StepPlan, input_ids: torch.Tensor) -> np.ndarray:
+def node_tokens_of_rows(plan: StepPlan, input_ids: np.ndarray) -> np.ndarray:
     """[R] the input token at each logits row: the last 1 + drafts scheduled tokens of a request.
 
-    The row indices are built in plain Python: after the forward pass each numpy call on a few
-    numbers costs 10-20 us (the model's weights flushed the caches), and the array version
-    (cumsum, repeat, arange) took ~100 us a step at batch 1 against ~30 us for this.
+    Args:
+        plan: the step layout.
+        input_ids: [T'] the host copy of the step's flat input ids (vLLM's ``input_ids.np``,
+            a numpy view of its host buffer on every device; T' >= the step's tokens).
+
+    Plain Python and numpy only: right after the forward pass the model's weights have
+    flushed the caches, and every call runs cold (measured with ``benchmarks.proposer_profile
+    --again``: 52 us cold against 10 us warm with a torch call in it); the array version
+    (cumsum, repeat, arange) took ~100 us a step at batch 1.
     """
     ends = plan.query_starts.tolist()[1:]
     idx = [j for e, d in zip(ends, plan.num_drafts.tolist()) for j in range(e - d - 1, e)]
-    if input_ids.device.type == "cpu":  # a numpy view: no torch indexing (~70 us a step)
-        return input_ids.numpy()[idx].astype(np.int64)
-    return input_ids[torch.tensor(idx, device=input_ids.device)].cpu().numpy().astype(np.int64)
+    return input_ids[idx].astype(np.int64)
 
 
 def off_chain(nodes: np.ndarray) -> bool:
