@@ -34,9 +34,14 @@ from vllm_recap.vllm.records import RequestBook
 from vllm_recap.vllm.tree_sampling import RequestSampling
 from vllm_recap.vllm.verifier import topk_rows
 
-# LM-head multiply-adds per step for prompt rows on a CPU (compute only, the weights are read
-# for the step's own rows anyway: ~2-3 ms of a 2-core CPU in bfloat16). SmolLM2 (49k x 576)
-# gets the cap of 128 rows, Gemma-3-270M (262k x 640) 23.
+# LM-head multiply-adds per step for prompt rows on a CPU (compute only: the weights are read
+# for the step's own rows anyway). SmolLM2 (49k x 576) gets the cap of 128 rows, Gemma-3-270M
+# (262k x 640) 23. Not the ~2-3 ms once assumed: on the 2-core AMD EPYC in bfloat16 a torch
+# linear of SmolLM2's LM head takes 5.8 ms for 1 row and 23.6 ms for 128, and 13 Spec-Bench
+# prompts (2,246 tokens) prefilled in 2.97 s with seeding against 2.62 s without (~28 ms per
+# prompt, measured ad hoc, 2026-12-03); seeding bought 1.957 against 1.920 tokens per pass
+# (fixed 8 nodes, 26 prompts x 128), roughly what it costs at 128 new tokens. The bound keeps
+# one step's stall near a decode step's length; `benchmarks.methods`' abl-no-seed measures it.
 CPU_SEED_MACS_PER_STEP = 4e9
 MIN_ROWS_PER_STEP = 8
 MAX_ROWS_PER_STEP = 128
