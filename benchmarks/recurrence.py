@@ -35,6 +35,8 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,20 +48,23 @@ HANDLED = {"temperature", "top_k", "top_p", "repetition_penalty"}
 
 def process(row: dict[int, float], seen: set[int], penalty: float) -> int:
     """The argmax of one raw row under vLLM's repetition penalty over ``seen`` (lowest id
-    among equal values, vLLM's rule).
+    among equal values, vLLM's rule), with the project's own copy of vLLM's float32 penalty
+    ops (:func:`~vllm_recap.vllm.tree_sampling.penalise_candidates`).
 
     Args:
         row: token id -> raw logit, the top tokens of one position.
         seen: token ids of the history (prompt + output so far).
         penalty: repetition penalty (1.0: none).
     """
-    def value(item: tuple[int, float]) -> tuple[float, int]:
-        t, v = item
-        if t in seen and penalty != 1.0:
-            v = v / penalty if v > 0 else v * penalty
-        return v, -t
+    from vllm_recap.vllm.tree_sampling import RequestSampling, penalise_candidates
 
-    return max(row.items(), key=value)[0]
+    ids = np.fromiter(row.keys(), np.int64, len(row))[None]
+    values = np.fromiter(row.values(), np.float32, len(row))[None]
+    # the repetition penalty covers prompt + output alike: the history can stand as the prompt
+    state = RequestSampling(prompt_token_ids=list(seen), output_token_ids=(),
+                            repetition_penalty=penalty)
+    v = penalise_candidates(values, ids, np.zeros(1, np.int64), [[]], [state])[0]
+    return int(ids[0][v == v.max()].min())
 
 
 def count(prompt: list[int], output: list[int], rows: dict[int, dict[int, float]],
