@@ -103,6 +103,8 @@ _ALL: list[Method] = [
            "Token Recycling: U-only adjacency + static template, same budget/policy as recap-tree"),
     Method("recap-chain", _recap(draft_mode="chain"), "RECAP single path (best chain of the tree)"),
     Method("recap-tree", _recap(), "RECAP tree, CPU defaults (node budget 16, adaptive)"),
+    Method("recap-tree-no-seed", _recap(prompt_seed_rows=0),
+           "RECAP tree, CPU defaults, without prompt seeding (its cost under load)"),
     Method("recap-nodraft", _fixed(0, suffix_len=0, num_speculative_tokens=1),
            "RECAP that never drafts: its fixed per-step cost (rows, memories) on vLLM's "
            "speculative path, the floor of what an idle controller costs"),
