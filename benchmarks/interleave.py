@@ -14,6 +14,9 @@ Each run is its own process (``--child``): a fresh engine, ``max_num_seqs`` = co
 ``LLM.generate`` over all prompts (vLLM keeps ``concurrency`` requests in flight, a closed
 loop), greedy, one warm-up request first. Results: ``<out>/result.json`` and ``summary.md``
 (per-round tokens/s, ratio to the round's ``none``, median and [min-max] of the ratios).
+``--steps`` also records every engine step and adds where each engine's wall time went by kind
+of step, with a within-run comparison of RECAP's drafted and idle steps
+(``benchmarks/step_breakdown.py``).
 """
 from __future__ import annotations
 
@@ -51,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="generate max-new-tokens for every prompt: sampled outputs otherwise end "
                         "at EOS at different lengths per engine, and tokens/s then also carries "
                         "how much prefill each engine's outputs amortise")
+    p.add_argument("--steps", action="store_true",
+                   help="record every engine step (kind, wall time, tokens) and add a breakdown "
+                        "by step kind to the summary (benchmarks/step_breakdown.py)")
     p.add_argument("--out", default=None,
                    help="output folder (default: benchmarks/results/interleave-<timestamp>)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run: its spec file
@@ -94,14 +100,69 @@ def child(spec: dict) -> dict:
                             ignore_eos=bool(spec.get("ignore_eos", False)))
     batch = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
     llm.generate(batch[:1], params, use_tqdm=False)  # warm-up
+    steps = record_steps(llm) if spec.get("steps") else None
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    if steps:
+        steps.append({"t": t0 + wall})  # the end of the last step
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompts": len(prompts), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall,
             "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
-            "vllm_recap": str(Path(vllm_recap.__file__).parent), "sampler_fixes": fixes}
+            "vllm_recap": str(Path(vllm_recap.__file__).parent), "sampler_fixes": fixes,
+            **({"steps": steps} if steps is not None else {})}
+
+
+def record_steps(llm) -> list[dict] | None:
+    """Per-step records of an in-process engine (``--steps``), filled as it runs.
+
+    Every engine step: its start (``t``, perf_counter seconds), scheduled tokens, requests,
+    and new requests (``arrivals``: steps that prefill a new request's first chunk). Under
+    RECAP also what its driver did: draft tokens verified (``drafts``), whether it skipped
+    its work (``idle``), whether a request was still prefilling (``prefill``), prompt rows
+    seeded (``seed_rows``) and tokens committed (``committed``). None when the model runner
+    is out of reach (a multiprocess engine). Kept here, not in ``benchmarks``: the child runs
+    with another checkout first on the path.
+    """
+    try:
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+            .model_runner
+    except AttributeError:
+        return None
+    steps: list[dict] = []
+    execute = runner.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        steps.append({"t": time.perf_counter(),
+                      "tokens": int(scheduler_output.total_num_scheduled_tokens),
+                      "reqs": len(scheduler_output.num_scheduled_tokens),
+                      "arrivals": len(scheduler_output.scheduled_new_reqs)})
+        return execute(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model
+    driver = getattr(getattr(runner, "drafter", None), "recap_hooks", None)
+    if driver is None:
+        return steps
+    begin, propose = driver.begin_step, driver.propose
+
+    def begin_step(runner_, scheduler_output):
+        out = begin(runner_, scheduler_output)
+        ctx = driver.scope.current
+        if steps and ctx is not None:
+            plan = ctx.plan
+            steps[-1].update(drafts=int(plan.num_drafts.sum()), idle=bool(ctx.idle),
+                             prefill=bool((plan.num_computed < plan.num_prompt).any()),
+                             seed_rows=0 if ctx.seeding is None else int(ctx.seeding.num_rows))
+        return out
+
+    def propose_(runner_, scheduler_output, sampled_token_ids, hidden_states):
+        if steps:
+            steps[-1]["committed"] = sum(len(s) for s in sampled_token_ids)
+        return propose(runner_, scheduler_output, sampled_token_ids, hidden_states)
+
+    driver.begin_step, driver.propose = begin_step, propose_
+    return steps
 
 
 def engines(text: str) -> list[tuple[str, str | None]]:
@@ -168,7 +229,10 @@ def markdown(result: dict) -> str:
         lines.append(f"| {row['engine']} | {', '.join(map(str, row['tokens_per_s']))} | "
                      f"{', '.join(f'{x:.2f}' for x in row['ratios']) or '-'} | {spread} | "
                      f"{row['errors']} |")
-    return "\n".join(lines) + "\n"
+    from benchmarks.step_breakdown import markdown as steps_markdown
+
+    kinds = steps_markdown(result.get("step_kinds") or [])
+    return "\n".join(lines) + "\n" + ("\n" + kinds if kinds else "")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -180,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     from benchmarks.methods import METHODS
     from benchmarks.run import resolve_model_path
     from benchmarks.sampling import SAMPLINGS
+    from benchmarks.step_breakdown import breakdown
     from tqdm import tqdm
 
     from transformers import AutoTokenizer
@@ -203,7 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
                 spec = {"model": model, "dtype": args.dtype, "config": METHODS[method].config,
                         "concurrency": args.concurrency, "prompts": prompts,
                         "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
-                        "sampling": dict(SAMPLINGS[args.sampling].params)}
+                        "sampling": dict(SAMPLINGS[args.sampling].params),
+                        "steps": args.steps}
                 runs.append({"engine": label(method, checkout), "round": r,
                              **run_one(spec, checkout, out)})
                 bar.update()
@@ -212,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"date": started, "args": vars(args), "machine": machine_info(), "model": model,
               "dtype": done[0]["dtype"] if done else args.dtype,
               "prompts": done[0]["prompts"] if done else 0, "runs": runs,
-              "rows": summarize(runs, names)}
+              "rows": summarize(runs, names), "step_kinds": breakdown(runs, names)}
     (out / "spec.json").unlink(missing_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     (out / "summary.md").write_text(markdown(result))

@@ -5,7 +5,8 @@ rejection sampler expands per-token top-k into uninitialised memory ("index ... 
 bounds") unless the sampler fixes ``benchmarks.run`` installs for every method are installed.
 What that memory holds varies, so the crash itself is not reproducible on demand: the test
 checks that the child installed the fixes, and that ngram then runs a top-k/top-p setting.
-One engine start on the tiny random Qwen2 (~30 s).
+One engine start per test on the tiny random Qwen2 (~30 s); the second test checks the
+per-step records of ``--steps`` under RECAP.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path, monkeypatc
     spec = {"prompts": prompts, "model": tiny_qwen2, "dtype": "float32", "config": NGRAM,
             "concurrency": 2, "max_new_tokens": 16, "max_model_len": 512,
             "sampling": {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                         "repetition_penalty": 1.05}, "ignore_eos": True}
+                         "repetition_penalty": 1.05}, "ignore_eos": True, "steps": True}
     # a relative results folder (``--out benchmarks/results/...``): the child, which runs in
     # that folder, once looked for its spec relative to it and every run failed
     monkeypatch.chdir(tmp_path.parent)
@@ -33,3 +34,29 @@ def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path, monkeypatc
     assert "error" not in out, out.get("error")
     assert out["tokens"] == 32 and out["prompts"] == 2
     assert len(out["sampler_fixes"]) == 2, out
+    # --steps records any engine's steps (kinds without RECAP's records: arrival, decode)
+    assert sum(s["arrivals"] for s in out["steps"][:-1]) == 2
+    assert not any("idle" in s for s in out["steps"])
+
+
+def test_recap_child_records_its_steps(tiny_qwen2, tmp_path):
+    """``--steps``: every step of the timed run is recorded with RECAP's view of it, and the
+    records add up (one arrival per prompt, every generated token committed in some step)."""
+    from benchmarks import interleave
+    from benchmarks.step_breakdown import KINDS, kind, run_kinds
+
+    prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
+    spec = {"prompts": prompts, "model": tiny_qwen2, "dtype": "float32",
+            "config": {"method": "recap"}, "concurrency": 2, "max_new_tokens": 16,
+            "max_model_len": 512, "sampling": {"temperature": 0.0}, "ignore_eos": True,
+            "steps": True}
+    out = interleave.run_one(spec, None, tmp_path)
+    assert "error" not in out, out.get("error")
+    steps = out["steps"]
+    assert set(steps[-1]) == {"t"}  # the end marker
+    assert all("idle" in s and "committed" in s for s in steps[:-1])
+    assert sum(s["arrivals"] for s in steps[:-1]) == len(prompts)
+    assert all(kind(s) in KINDS for s in steps[:-1])
+    assert sum(s["committed"] for s in steps[:-1]) >= out["tokens"] == 32
+    kinds = run_kinds(steps)
+    assert sum(k["seconds"] for k in kinds.values()) == pytest.approx(steps[-1]["t"] - steps[0]["t"])

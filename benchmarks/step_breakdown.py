@@ -1,0 +1,123 @@
+"""Where a run's wall time went, by kind of engine step (``benchmarks.interleave --steps``).
+
+Across runs the host's speed drifts by +-10% within minutes (the same engine ran 124 and 161
+tokens/s in two runs of one session at concurrency 4), the size of what a drafting decision
+changes under load. Within one run the drift mostly cancels: comparing a run's drafted steps
+with its own idle steps, both at the full batch, says whether drafting paid in that run.
+
+Step kinds (``kind``): ``arrival`` (the step prefills a new request's first chunk), and for
+decode steps: ``drafted`` (it verified draft tokens), ``declined`` (RECAP did its per-step
+work but verified no drafts: the budget declined, or a probe), ``idle`` (RECAP skipped its
+work) -- ``decode`` for engines without RECAP's records. A step's wall time is the time to
+the next step's start (the run's end for the last one).
+"""
+from __future__ import annotations
+
+import statistics
+
+KINDS = ("arrival", "drafted", "declined", "idle", "decode")
+
+
+def kind(step: dict) -> str:
+    """The kind of one step record (see the module docstring)."""
+    if step.get("arrivals", 0) > 0:
+        return "arrival"
+    if "idle" not in step:
+        return "decode"
+    if step.get("drafts", 0) > 0:
+        return "drafted"
+    return "idle" if step["idle"] else "declined"
+
+
+def walls(steps: list[dict]) -> list[tuple[dict, float]]:
+    """(step, seconds) per step; ``steps`` ends with the run's end marker (``{"t": end}``)."""
+    return [(s, nxt["t"] - s["t"]) for s, nxt in zip(steps, steps[1:])]
+
+
+def run_kinds(steps: list[dict]) -> dict[str, dict]:
+    """Per kind of one run: steps, seconds, committed tokens (None where not recorded),
+    and the same for its full-batch steps (the most requests any decode step ran)."""
+    timed = walls(steps)
+    full = max((s["reqs"] for s, _ in timed if kind(s) != "arrival"), default=0)
+    out: dict[str, dict] = {}
+    for s, seconds in timed:
+        k = kind(s)
+        row = out.setdefault(k, {"steps": 0, "seconds": 0.0, "committed": 0, "full_steps": 0,
+                                 "full_seconds": 0.0, "full_committed": 0, "known": True})
+        row["steps"] += 1
+        row["seconds"] += seconds
+        row["known"] &= "committed" in s
+        row["committed"] += s.get("committed", 0)
+        if s["reqs"] == full:
+            row["full_steps"] += 1
+            row["full_seconds"] += seconds
+            row["full_committed"] += s.get("committed", 0)
+    for row in out.values():
+        if not row.pop("known"):
+            row["committed"] = row["full_committed"] = None
+    return out
+
+
+def drafted_over_idle(kinds: dict[str, dict]) -> float | None:
+    """Tokens per second of a run's full-batch drafted steps over its full-batch idle steps
+    (None without both, or without committed counts)."""
+    d, i = kinds.get("drafted"), kinds.get("idle")
+    if not d or not i or not d["full_seconds"] or not i["full_seconds"]:
+        return None
+    if d["full_committed"] is None or i["full_committed"] is None or not i["full_committed"]:
+        return None
+    return (d["full_committed"] / d["full_seconds"]) / (i["full_committed"] / i["full_seconds"])
+
+
+def breakdown(runs: list[dict], names: list[str]) -> list[dict]:
+    """Per engine and kind, over the engine's runs that recorded steps: steps per run, share
+    of the wall time, median ms per step over runs, tokens per step; and per engine the
+    per-run ratio :func:`drafted_over_idle`."""
+    rows = []
+    for name in names:
+        mine = [r for r in runs if r.get("engine") == name and r.get("steps")]
+        if not mine:
+            continue
+        per_run = [run_kinds(r["steps"]) for r in mine]
+        total = sum(r["wall_s"] for r in mine)
+        kinds = []
+        for k in KINDS:
+            got = [p[k] for p in per_run if k in p]
+            if not got:
+                continue
+            committed = [g["committed"] for g in got]
+            kinds.append({
+                "kind": k, "steps_per_run": sum(g["steps"] for g in got) / len(mine),
+                "wall_share": sum(g["seconds"] for g in got) / total,
+                "ms_per_step": statistics.median(1e3 * g["seconds"] / g["steps"] for g in got),
+                "tokens_per_step": (None if None in committed else
+                                    sum(committed) / sum(g["steps"] for g in got))})
+        ratios = [drafted_over_idle(p) for p in per_run]
+        rows.append({"engine": name, "runs": len(mine), "kinds": kinds,
+                     "drafted_over_idle": [None if x is None else round(x, 3) for x in ratios]})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The breakdown as a markdown section ('' when no run recorded steps)."""
+    if not rows:
+        return ""
+    lines = ["## Steps by kind", "",
+             "Share of each engine's wall time (all its runs), steps per run, median ms per "
+             "step over runs, tokens committed per step. `drafted / idle` = tokens/s of a run's "
+             "full-batch drafted steps over its own full-batch idle steps (drift cancels "
+             "within a run; see benchmarks/step_breakdown.py).", "",
+             "| engine | kind | steps/run | wall share | ms/step | tokens/step |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        for k in row["kinds"]:
+            tps = "-" if k["tokens_per_step"] is None else f"{k['tokens_per_step']:.2f}"
+            lines.append(f"| {row['engine']} | {k['kind']} | {k['steps_per_run']:.0f} | "
+                         f"{100 * k['wall_share']:.0f}% | {k['ms_per_step']:.1f} | {tps} |")
+    lines += ["", "| engine | drafted / idle per run |", "|---|---|"]
+    for row in rows:
+        ratios = [r for r in row["drafted_over_idle"] if r is not None]
+        if ratios:
+            lines.append(f"| {row['engine']} | {', '.join(f'{r:.2f}' for r in ratios)} "
+                         f"(median {statistics.median(ratios):.2f}) |")
+    return "\n".join(lines) + "\n"
