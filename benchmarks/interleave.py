@@ -101,17 +101,36 @@ def child(spec: dict) -> dict:
     batch = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
     llm.generate(batch[:1], params, use_tqdm=False)  # warm-up
     steps = record_steps(llm) if spec.get("steps") else None
+    before = spec_counters(llm) if steps is not None else None
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     if steps:
         steps.append({"t": t0 + wall})  # the end of the last step
+    drafting = ({k: v - before[k] for k, v in spec_counters(llm).items()}
+                if before is not None else None)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompts": len(prompts), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall,
             "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
             "vllm_recap": str(Path(vllm_recap.__file__).parent), "sampler_fixes": fixes,
-            **({"steps": steps} if steps is not None else {})}
+            **({"steps": steps, "drafting": drafting} if steps is not None else {})}
+
+
+# vLLM's speculative-decoding counters (as benchmarks.harness.SPEC_COUNTERS; the child does
+# not import ``benchmarks``, see record_steps)
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",
+                 "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+
+
+def spec_counters(llm) -> dict[str, int]:
+    """Current values of vLLM's speculative-decoding counters (zeros where none is logged)."""
+    out = dict.fromkeys(SPEC_COUNTERS.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS and hasattr(metric, "value"):
+            out[SPEC_COUNTERS[metric.name]] = int(metric.value)
+    return out
 
 
 def record_steps(llm) -> list[dict] | None:

@@ -2,8 +2,11 @@
 
 Across runs the host's speed drifts by +-10% within minutes (the same engine ran 124 and 161
 tokens/s in two runs of one session at concurrency 4), the size of what a drafting decision
-changes under load. Within one run the drift mostly cancels: comparing a run's drafted steps
-with its own idle steps, both at the full batch, says whether drafting paid in that run.
+changes under load. Within one run most of the drift cancels: a run's drafted steps against
+its own idle steps, both at the full batch, show what drafting bought in that run -- with a
+caveat: RECAP drafts where its memories offer likely drafts, so its drafted steps also run on
+other parts of the answers than its idle ones (in the first c=4 run the ratio still spread
+0.86-1.26 over four runs).
 
 Step kinds (``kind``): ``arrival`` (the step prefills a new request's first chunk), and for
 decode steps: ``drafted`` (it verified draft tokens), ``declined`` (RECAP did its per-step
@@ -94,8 +97,22 @@ def breakdown(runs: list[dict], names: list[str]) -> list[dict]:
                                     sum(committed) / sum(g["steps"] for g in got))})
         ratios = [drafted_over_idle(p) for p in per_run]
         rows.append({"engine": name, "runs": len(mine), "kinds": kinds,
-                     "drafted_over_idle": [None if x is None else round(x, 3) for x in ratios]})
+                     "drafted_over_idle": [None if x is None else round(x, 3) for x in ratios],
+                     "drafting": drafting([r.get("drafting") for r in mine])})
     return rows
+
+
+def drafting(counters: list[dict | None]) -> dict | None:
+    """vLLM's speculative counters over an engine's runs (each the timed run's delta): draft
+    tokens per run, accepted tokens per draft token, draft tokens per drafted request-step
+    (vLLM counts a request's drafts in a step as one draft). None without drafts."""
+    got = [c for c in counters if c]
+    tokens = sum(c["draft_tokens"] for c in got)
+    if not tokens:
+        return None
+    return {"draft_tokens_per_run": tokens / len(got),
+            "accepted_per_draft_token": sum(c["accepted_tokens"] for c in got) / tokens,
+            "draft_tokens_per_draft": tokens / max(1, sum(c["drafts"] for c in got))}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -106,7 +123,8 @@ def markdown(rows: list[dict]) -> str:
              "Share of each engine's wall time (all its runs), steps per run, median ms per "
              "step over runs, tokens committed per step. `drafted / idle` = tokens/s of a run's "
              "full-batch drafted steps over its own full-batch idle steps (drift cancels "
-             "within a run; see benchmarks/step_breakdown.py).", "",
+             "within a run, but RECAP drafts where its memories offer likely drafts, so the two kinds "
+             "also run on different parts of the answers; see benchmarks/step_breakdown.py).", "",
              "| engine | kind | steps/run | wall share | ms/step | tokens/step |",
              "|---|---|---|---|---|---|"]
     for row in rows:
@@ -120,4 +138,14 @@ def markdown(rows: list[dict]) -> str:
         if ratios:
             lines.append(f"| {row['engine']} | {', '.join(f'{r:.2f}' for r in ratios)} "
                          f"(median {statistics.median(ratios):.2f}) |")
+    lines += ["", "vLLM's speculative counters over the timed runs (a request's drafts in one "
+              "step count as one draft):", "",
+              "| engine | draft tokens per run | accepted per draft token | "
+              "draft tokens per draft |", "|---|---|---|---|"]
+    for row in rows:
+        d = row.get("drafting")
+        if d:
+            lines.append(f"| {row['engine']} | {d['draft_tokens_per_run']:.0f} | "
+                         f"{d['accepted_per_draft_token']:.3f} | "
+                         f"{d['draft_tokens_per_draft']:.2f} |")
     return "\n".join(lines) + "\n"

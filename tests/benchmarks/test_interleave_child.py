@@ -58,5 +58,9 @@ def test_recap_child_records_its_steps(tiny_qwen2, tmp_path):
     assert sum(s["arrivals"] for s in steps[:-1]) == len(prompts)
     assert all(kind(s) in KINDS for s in steps[:-1])
     assert sum(s["committed"] for s in steps[:-1]) >= out["tokens"] == 32
+    drafting = out["drafting"]  # vLLM's counters over the timed run
+    assert drafting["accepted_tokens"] <= drafting["draft_tokens"]
+    drafted = sum(s["drafts"] for s in steps[:-1])
+    assert drafting["draft_tokens"] == drafted  # every verified draft token, as RECAP laid it
     kinds = run_kinds(steps)
     assert sum(k["seconds"] for k in kinds.values()) == pytest.approx(steps[-1]["t"] - steps[0]["t"])

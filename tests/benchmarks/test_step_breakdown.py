@@ -64,7 +64,8 @@ def test_engines_without_recap_records_have_decode_steps_and_no_token_counts():
 
 
 def test_breakdown_and_markdown():
-    runs = [{"engine": "recap-tree", "round": r, "wall_s": 0.26, "steps": _recap_run()}
+    runs = [{"engine": "recap-tree", "round": r, "wall_s": 0.26, "steps": _recap_run(),
+             "drafting": {"drafts": 4, "draft_tokens": 10, "accepted_tokens": 3 + r}}
             for r in range(2)]
     runs.append({"engine": "none", "round": 0, "wall_s": 0.3, "tokens_per_s": 10.0})
     rows = sb.breakdown(runs, ["none", "recap-tree"])
@@ -80,4 +81,8 @@ def test_breakdown_and_markdown():
     text = sb.markdown(rows)
     assert "| recap-tree | drafted | 2 | 31% | 40.0 | 5.00 |" in text
     assert "1.25, 1.25 (median 1.25)" in text
+    assert row["drafting"] == {"draft_tokens_per_run": 10.0, "accepted_per_draft_token": 0.35,
+                               "draft_tokens_per_draft": 2.5}
+    assert "| recap-tree | 10 | 0.350 | 2.50 |" in text
+    assert sb.drafting([None, {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}]) is None
     assert sb.markdown([]) == ""
