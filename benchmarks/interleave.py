@@ -139,8 +139,8 @@ def record_steps(llm) -> list[dict] | None:
     Every engine step: its start (``t``, perf_counter seconds), scheduled tokens, requests,
     and new requests (``arrivals``: steps that prefill a new request's first chunk). Under
     RECAP also what its driver did: draft tokens verified (``drafts``), whether it skipped
-    its work (``idle``), whether a request was still prefilling (``prefill``), prompt rows
-    seeded (``seed_rows``) and tokens committed (``committed``). None when the model runner
+    its work (``idle``) and tokens committed (``committed``) -- only what the breakdown uses:
+    the recorders run inside the timed steps. None when the model runner
     is out of reach (a multiprocess engine). Kept here, not in ``benchmarks``: the child runs
     with another checkout first on the path.
     """
@@ -169,10 +169,7 @@ def record_steps(llm) -> list[dict] | None:
         out = begin(runner_, scheduler_output)
         ctx = driver.scope.current
         if steps and ctx is not None:
-            plan = ctx.plan
-            steps[-1].update(drafts=int(plan.num_drafts.sum()), idle=bool(ctx.idle),
-                             prefill=bool((plan.num_computed < plan.num_prompt).any()),
-                             seed_rows=0 if ctx.seeding is None else int(ctx.seeding.num_rows))
+            steps[-1].update(drafts=int(ctx.plan.num_drafts.sum()), idle=bool(ctx.idle))
         return out
 
     def propose_(runner_, scheduler_output, sampled_token_ids, hidden_states):

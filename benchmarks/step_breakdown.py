@@ -67,7 +67,7 @@ def drafted_over_idle(kinds: dict[str, dict]) -> float | None:
     d, i = kinds.get("drafted"), kinds.get("idle")
     if not d or not i or not d["full_seconds"] or not i["full_seconds"]:
         return None
-    if d["full_committed"] is None or i["full_committed"] is None or not i["full_committed"]:
+    if d["full_committed"] is None or not i["full_committed"]:  # unknown, or none idle
         return None
     return (d["full_committed"] / d["full_seconds"]) / (i["full_committed"] / i["full_seconds"])
 

@@ -41,7 +41,9 @@ from vllm_recap.vllm.verifier import topk_rows
 # prompts (2,246 tokens) prefilled in 2.97 s with seeding against 2.62 s without (~28 ms per
 # prompt, measured ad hoc, 2026-12-03); seeding bought 1.957 against 1.920 tokens per pass
 # (fixed 8 nodes, 26 prompts x 128), roughly what it costs at 128 new tokens. The bound keeps
-# one step's stall near a decode step's length; `benchmarks.methods`' abl-no-seed measures it.
+# one step's stall near a decode step's length. `benchmarks.methods`' abl-no-seed measures it
+# at a fixed budget, recap-tree-no-seed under the adaptive default (at concurrency 4, 9
+# interleaved rounds: no visible difference, 2026-12-03).
 CPU_SEED_MACS_PER_STEP = 4e9
 MIN_ROWS_PER_STEP = 8
 MAX_ROWS_PER_STEP = 128
