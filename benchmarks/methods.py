@@ -118,6 +118,11 @@ _ALL: list[Method] = [
     # The best chain of the same fixed-budget tree: tree verification's own gain at one budget.
     *[Method(f"recap-chain-b{b}", _fixed(b, draft_mode="chain"),
              f"RECAP single path, the best chain of a fixed {b}-node tree") for b in (8, 16)],
+    # Short fixed chains from the memories alone (no continuations), drafted every step: the
+    # precision of RECAP's first one or two nodes under load, next to suffix decoding's.
+    *[Method(f"recap-chain-m{b}", _fixed(b, draft_mode="chain", suffix_len=0),
+             f"RECAP single path of {b} memory node(s) every step, no continuations")
+      for b in (1, 2)],
     *[Method(a.method, _fixed(ABLATION_BUDGET, **a.knob), f"ablation: {a.paper_row}")
       for a in ABLATIONS + EXTRA_ABLATIONS + CONTINUATION_ABLATIONS],
 ]
