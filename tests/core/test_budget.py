@@ -493,3 +493,48 @@ def test_a_batch_drafts_for_its_confident_requests_only():
     assert b > 0 and ctl.last_counts[1] == b
     assert ctl.last_counts[0] == ctl.last_counts[2] == ctl.last_counts[3] == 0
     assert ctl.last_decision.level == b
+
+
+def test_drafts_measured_at_batch_1_are_not_priced_below_plain_tokens_under_load() -> None:
+    """The extra cost of drafts is keyed by draft count, not batch, and the sizes it holds
+    were measured at batch 1, where a few drafts ride along almost free. At concurrency 16
+    (bf16 SmolLM2, the tables below are the engine's own) it priced 50 chain drafts at
+    24.2 ms for the whole step -- 2 ms over the plain 16-token step -- and the step cost
+    43.6 ms: a drafted step never costs less than a plain step of as many tokens."""
+    m = StepCostModel()
+    m.observe(1, 0.01466, context=64)
+    m.observe(1, 0.01593, context=104)
+    m.observe(16, 0.02222, context=104)  # 16 decodes
+    m.observe(6, 0.01466 + 0.00088, context=64, drafts=5, tree=False)  # batch 1, warm-up
+    m.observe(3, 0.01593 + 0.00164, context=104, drafts=2, tree=False)
+    m.observe(5, 0.01593 + 0.00179, context=104, drafts=4, tree=False)
+    plain_66 = m.estimate(66, context=104)
+    assert plain_66 > 0.040  # the plain steps' slope (0.42 ms a token) carried on
+    assert m.estimate(66, context=104, drafts=50, tree=False) >= plain_66
+    # below the plain curve's reach the measured extra cost still decides
+    assert m.estimate(5, context=104, drafts=4, tree=False) == pytest.approx(0.01593 + 0.00179)
+    # and the controller declines what it chose before: 16 modest chains
+    ctl = BudgetController(16, DISCOUNTS)
+    ctl.cost = m
+    tree = chain_tree(16, 0.5)
+    for _ in range(60):
+        ctl.calibration().observe(np.arange(17), tree.scores, 1)
+    assert ctl.choose([tree] * 16, fixed_tokens=0, context=104, chains=True) <= 1
+
+
+def test_growth_borrowed_from_another_bucket_carries_on_beyond_its_sizes() -> None:
+    """A bucket that lends its growth to a new one used to stop growing at its own largest
+    size (its curve is flat there), so every size beyond both priced like that size."""
+    m = StepCostModel()
+    m.observe(4, 0.030, context=300)
+    m.observe(40, 0.075, context=300)
+    m.observe(4, 0.032, context=700)  # the next bucket: only the plain size so far
+    assert m.estimate(80, context=700) > 1.5 * m.estimate(40, context=700)
+    extra = StepCostModel()
+    extra.observe(1, 0.010, context=300)
+    extra.observe(1, 0.010, context=700)
+    extra.observe(5, 0.012, context=300, drafts=4)  # 2 ms for 4 drafts
+    extra.observe(3, 0.011, context=700, drafts=2)  # 1 ms for 2 drafts
+    # 32 drafts at 700: 1 ms + the growth at 300 from 2 to 32 drafts, carried on in
+    # proportion beyond its 4: 1 + (2 * 32 / 4 - 1) = 16 ms over the plain step
+    assert extra.estimate(33, context=700, drafts=32) == pytest.approx(0.010 + 0.016)
