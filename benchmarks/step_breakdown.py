@@ -72,10 +72,34 @@ def drafted_over_idle(kinds: dict[str, dict]) -> float | None:
     return (d["full_committed"] / d["full_seconds"]) / (i["full_committed"] / i["full_seconds"])
 
 
+def phase_seconds(steps: list[dict]) -> tuple[float, float]:
+    """(arrival, decode) seconds of one run: its arrival steps' and all its other steps'."""
+    arrival = sum(sec for s, sec in walls(steps) if kind(s) == "arrival")
+    return arrival, sum(sec for _, sec in walls(steps)) - arrival
+
+
+def decode_ratios(runs: list[dict], name: str, baseline: str = "none") -> list[float]:
+    """Per round, the baseline's decode-phase seconds over the engine's (rounds where both
+    recorded steps). Every engine decodes the same tokens and prefills the same prompts, so
+    this is the run's speed ratio with the arrival steps taken out: at concurrency 16 those
+    are half the wall time and the first one alone took either ~0.5 s or ~1.2-1.6 s for the
+    same 1,300 prompt tokens, whatever the engine (26 Spec-Bench prompts, bf16 SmolLM2),
+    which swamped what drafting changed. Tokens that arrival steps decode for running
+    requests are left in the arrival phase, so the ratio is approximate."""
+    base = {r["round"]: r for r in runs if r.get("engine") == baseline and r.get("steps")}
+    out = []
+    for r in runs:
+        if r.get("engine") == name and r.get("steps") and r.get("round") in base:
+            mine = phase_seconds(r["steps"])[1]
+            if mine > 0:
+                out.append(phase_seconds(base[r["round"]]["steps"])[1] / mine)
+    return out
+
+
 def breakdown(runs: list[dict], names: list[str]) -> list[dict]:
     """Per engine and kind, over the engine's runs that recorded steps: steps per run, share
     of the wall time, median ms per step over runs, tokens per step; and per engine the
-    per-run ratio :func:`drafted_over_idle`."""
+    per-run ratios :func:`drafted_over_idle` and :func:`decode_ratios`."""
     rows = []
     for name in names:
         mine = [r for r in runs if r.get("engine") == name and r.get("steps")]
@@ -98,6 +122,8 @@ def breakdown(runs: list[dict], names: list[str]) -> list[dict]:
         ratios = [drafted_over_idle(p) for p in per_run]
         rows.append({"engine": name, "runs": len(mine), "kinds": kinds,
                      "drafted_over_idle": [None if x is None else round(x, 3) for x in ratios],
+                     "decode_ratio": [round(x, 3) for x in decode_ratios(runs, name)],
+                     "arrival_s": [round(phase_seconds(r["steps"])[0], 3) for r in mine],
                      "drafting": drafting([r.get("drafting") for r in mine])})
     return rows
 
@@ -138,6 +164,17 @@ def markdown(rows: list[dict]) -> str:
         if ratios:
             lines.append(f"| {row['engine']} | {', '.join(f'{r:.2f}' for r in ratios)} "
                          f"(median {statistics.median(ratios):.2f}) |")
+    lines += ["", "Decode phase (every step but arrivals): `none`'s seconds over the engine's, "
+              "per round -- the speed ratio without the prefill bursts, whose wall time varies "
+              "most (see `decode_ratios`); and each run's arrival-step seconds.", "",
+              "| engine | decode-phase ratio per round | arrival seconds per run |",
+              "|---|---|---|"]
+    for row in rows:
+        ratios = row.get("decode_ratio") or []
+        shown = (f"{', '.join(f'{r:.2f}' for r in ratios)} "
+                 f"(median {statistics.median(ratios):.2f})") if ratios else "-"
+        lines.append(f"| {row['engine']} | {shown} | "
+                     f"{', '.join(f'{a:.2f}' for a in row.get('arrival_s', []))} |")
     lines += ["", "vLLM's speculative counters over the timed runs (a request's drafts in one "
               "step count as one draft):", "",
               "| engine | draft tokens per run | accepted per draft token | "

@@ -86,3 +86,21 @@ def test_breakdown_and_markdown():
     assert "| recap-tree | 10 | 0.350 | 2.50 |" in text
     assert sb.drafting([None, {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}]) is None
     assert sb.markdown([]) == ""
+
+
+def test_decode_ratios_leave_the_arrival_steps_out():
+    """The same round's `none` over the engine, decode-phase seconds only: a slow prefill
+    burst in one engine's run moves its tokens/s, not this ratio."""
+    recap = _recap_run()  # arrival 0.10 s, decode 0.16 s
+    none = [{"t": 0.0, "reqs": 2, "arrivals": 2}, {"t": 0.5, "reqs": 2, "arrivals": 0},
+            {"t": 0.6, "reqs": 2, "arrivals": 0}, {"t": 0.7}]  # a slow arrival, decode 0.2 s
+    assert sb.phase_seconds(none) == pytest.approx((0.5, 0.2))
+    runs = [{"engine": "none", "round": 0, "wall_s": 0.7, "steps": none},
+            {"engine": "recap-tree", "round": 0, "wall_s": 0.26, "steps": recap},
+            {"engine": "recap-tree", "round": 1, "wall_s": 0.26, "steps": recap}]  # no none
+    assert sb.decode_ratios(runs, "recap-tree") == [pytest.approx(0.2 / 0.16)]
+    rows = sb.breakdown(runs, ["none", "recap-tree"])
+    assert rows[1]["decode_ratio"] == [1.25] and rows[1]["arrival_s"] == [0.1, 0.1]
+    text = sb.markdown(rows)
+    assert "| recap-tree | 1.25 (median 1.25) | 0.10, 0.10 |" in text
+    assert "| none | 1.00 (median 1.00) | 0.50 |" in text
