@@ -64,6 +64,23 @@ PROBE_EVERY_LONGEST = 128
 PROBE_WINDOW = 2
 
 
+def without_empty_drafts(spec_decode_metadata):
+    """The metadata to sample a step with: None (vLLM's plain sampler) when no request has a
+    draft token.
+
+    With a speculative config vLLM sends every step through its rejection sampler, drafts or
+    not, and that sampler draws exponential noise over the whole vocabulary for every request
+    (``sample_recovered_tokens``) whenever some request samples -- Qwen2.5-VL's recommended
+    settings included (temperature 0.1). With no draft token that noise is never read: the
+    step's tokens are the bonus tokens, sampled by the same ``Sampler`` that the plain path
+    calls (the spec-token list it would merge into the penalties is empty), and for seeded
+    requests the rejection sampler skips their generators when they have no drafts. At
+    concurrency 4 (bf16 SmolLM2) it cost 2.8 ms of a 26.5 ms idle step."""
+    if spec_decode_metadata is None or sum(spec_decode_metadata.num_draft_tokens):
+        return spec_decode_metadata
+    return None
+
+
 def decode_context(plan) -> float:
     """Mean context length (tokens in the KV cache) of the step's decoding requests, the
     second key of the budget's cost model; 0 in a step of prefill chunks only."""
@@ -258,7 +275,7 @@ class StepDriver:
         """vLLM's sampler, then tree acceptance over its output; keeps the step's rows."""
         ctx = self.scope.current
         if ctx is None or logits is None or ctx.idle:
-            return original(logits, spec_decode_metadata)
+            return original(logits, without_empty_drafts(spec_decode_metadata))
         plan = ctx.plan
         got = (list(spec_decode_metadata.num_draft_tokens) if spec_decode_metadata is not None
                else [0] * len(plan.req_ids))
@@ -289,7 +306,7 @@ class StepDriver:
             t1 = t2 = time.perf_counter()
         else:
             t1 = time.perf_counter()
-            out = original(logits, spec_decode_metadata)
+            out = original(logits, without_empty_drafts(spec_decode_metadata))
             t2 = time.perf_counter()
             if trees is not None:
                 write_trees(trees, plan, out, runner.model_config.logprobs_mode)
