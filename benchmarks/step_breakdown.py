@@ -74,8 +74,9 @@ def drafted_over_idle(kinds: dict[str, dict]) -> float | None:
 
 def phase_seconds(steps: list[dict]) -> tuple[float, float]:
     """(arrival, decode) seconds of one run: its arrival steps' and all its other steps'."""
-    arrival = sum(sec for s, sec in walls(steps) if kind(s) == "arrival")
-    return arrival, sum(sec for _, sec in walls(steps)) - arrival
+    timed = walls(steps)
+    arrival = sum(sec for s, sec in timed if kind(s) == "arrival")
+    return arrival, sum(sec for _, sec in timed) - arrival
 
 
 def decode_ratios(runs: list[dict], name: str, baseline: str = "none") -> list[float]:
@@ -123,7 +124,8 @@ def breakdown(runs: list[dict], names: list[str]) -> list[dict]:
         rows.append({"engine": name, "runs": len(mine), "kinds": kinds,
                      "drafted_over_idle": [None if x is None else round(x, 3) for x in ratios],
                      "decode_ratio": [round(x, 3) for x in decode_ratios(runs, name)],
-                     "arrival_s": [round(phase_seconds(r["steps"])[0], 3) for r in mine],
+                     "arrival_s": [round(p["arrival"]["seconds"] if "arrival" in p else 0.0, 3)
+                                   for p in per_run],
                      "drafting": drafting([r.get("drafting") for r in mine])})
     return rows
 

@@ -165,7 +165,9 @@ class StepCostModel:
       under load is full of cheap prefill steps of the same token count -- made trees look
       cheap at concurrency 4 and chose 48 draft tokens for a step that cost 3.3x a plain one.
       Until extra costs are measured they are priced as plain tokens (optimistic, so drafts
-      get tried and measured).
+      get tried and measured), and once measured never below that: the extra costs are keyed
+      by draft count, not batch, and mostly measured at batch 1, where drafts ride along
+      almost free.
 
     The extra cost is kept apart for steps that verify trees and steps whose drafts are all
     chains: a tree runs its own attention path and acceptance (bf16 SmolLM2, 2-core EPYC: a
