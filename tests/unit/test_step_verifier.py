@@ -319,7 +319,7 @@ def test_plain_greedy_walk_matches_the_vectorised_walk_on_random_forests():
         tokens = rng.integers(0, 3, size=int(sizes.sum()))  # few ids: many duplicates
         targets = rng.integers(0, 3, size=int(sizes.sum()))
         starts = np.r_[0, np.cumsum(sizes)]
-        plan = SimpleNamespace(trees=[SimpleNamespace(num_nodes=int(n), parents=p)
+        plan = SimpleNamespace(verified=[SimpleNamespace(num_nodes=int(n), parents=p)
                                       for n, p in zip(sizes, parents)])
         batch = TreeBatch.from_parents(
             np.repeat(np.arange(len(sizes)), sizes),

@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # the CUDA recompute imports this module where the (numba) co
 
 @dataclass
 class TreeSlot:
-    """One request that verifies a (non-chain) tree this step.
+    """One request whose drafts RECAP verifies this step: a (non-chain) tree, or -- in a step
+    RECAP verifies whole (``StepPlan.verified``) -- a chain or a root alone.
 
     Attributes:
         batch_index: the request's row in vLLM's input batch.
@@ -60,6 +61,9 @@ class StepPlan:
         trees: the requests whose nodes are not a chain (need tree attention and acceptance).
         num_computed: [B] tokens already in the KV cache before this step.
         num_prompt: [B] prompt lengths.
+        verified: the requests whose acceptance RECAP decides, in batch order: ``trees``
+            (the default), or every request of a step RECAP verifies whole, the others as
+            chain slots (only attention reads ``trees``).
     """
 
     req_ids: list[str]
@@ -70,6 +74,11 @@ class StepPlan:
     trees: list[TreeSlot]
     num_computed: np.ndarray
     num_prompt: np.ndarray
+    verified: list[TreeSlot] = None  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.verified is None:
+            self.verified = self.trees
 
     @functools.cached_property
     def logits_starts(self) -> np.ndarray:

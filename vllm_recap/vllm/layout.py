@@ -58,6 +58,23 @@ def build_plan(req_ids: Sequence[str], num_scheduled: np.ndarray, query_starts: 
                     np.asarray(num_computed, np.int64), np.asarray(num_prompt, np.int64))
 
 
+def whole_step_slots(plan: StepPlan) -> list[TreeSlot]:
+    """Every request of the step as a slot RECAP verifies, in batch order: its tree's slot, or
+    a chain slot of its root and drafts (a root alone without drafts). For a step of decodes
+    only (``num_scheduled == 1 + num_drafts`` for every request, as the caller checks)."""
+    trees = plan.tree_by_batch_index()
+    slots = []
+    for i, (start, drafts) in enumerate(zip(plan.query_starts.tolist(),
+                                            plan.num_drafts.tolist())):
+        slot = trees.get(i)
+        if slot is None:
+            n = 1 + drafts
+            slot = TreeSlot(i, start, chain_parents(n), np.arange(n, dtype=np.int64),
+                            np.tri(n, dtype=bool))
+        slots.append(slot)
+    return slots
+
+
 def as_scheduled(tree: DraftTree, laid: DraftTree | None, drafts: Sequence[int]) -> DraftTree:
     """The proposal as its scheduled drafts were sent.
 

@@ -6,7 +6,9 @@ rows are processed per node with vLLM's sampling semantics on each node's path
 (:mod:`~vllm_recap.vllm.tree_walk`), and the result overwrites the request's row of vLLM's
 output ``[batch, max_spec + 1]`` (accepted path tokens, then the committed token, -1 padding)
 and, when logprobs were asked for, its logprobs rows -- so the scheduler, bookkeeping and
-spec-decode metrics work unchanged. Chains keep vLLM's result.
+spec-decode metrics work unchanged. Chains keep vLLM's result, except in a step RECAP
+verifies whole (``StepPlan.verified``: every request a greedy-equivalent decode), where they
+are walked here as single-path trees and vLLM's sampler does not run.
 
 Two phases, because vLLM's sampler may edit the logits in place: :func:`prepare` runs before
 it (reads the tree rows, walks), :func:`write` after it (overwrites its output).
@@ -65,7 +67,7 @@ class TreeVerification:
 
     def accepted(self, plan: StepPlan) -> dict[int, np.ndarray]:
         """Batch row -> accepted node indices within its tree (depth order, root excluded)."""
-        return {t.batch_index: nodes for t, nodes in zip(plan.trees, self.nodes)}
+        return {t.batch_index: nodes for t, nodes in zip(plan.verified, self.nodes)}
 
 
 def request_sampling(runner, req_id: str) -> RequestSampling:
@@ -82,7 +84,7 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
     """Processes and walks every tree of the step (before vLLM's sampler runs).
 
     Args:
-        plan: the step layout (``plan.trees`` non-empty).
+        plan: the step layout (``plan.verified`` non-empty).
         logits: [R, V] the step's logits (1 + drafts rows per request).
         node_tokens: [R] the token at each logits row.
         runner: vLLM's model runner (``requests``: sampling params, tokens, generator).
@@ -97,7 +99,7 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
             the caller): without ``keep_rows`` their sampling state is then not read at all.
     """
     starts = plan.logits_starts.tolist()
-    flat = [j for t in plan.trees
+    flat = [j for t in plan.verified
             for j in range(starts[t.batch_index], starts[t.batch_index] + t.num_nodes)]
     requests = None
     if not keep_rows and not plain:  # the caller did not say: read every request's state
@@ -157,7 +159,7 @@ def _request_states(plan: StepPlan, runner, keep_rows: bool) -> list[RequestSamp
     temperature and top-k/p do not move the argmax, so they are dropped (they sort the
     vocabulary) unless logprobs of the processed rows are needed."""
     requests: list[RequestSampling | None] = [None] * len(plan.req_ids)
-    for tree in plan.trees:
+    for tree in plan.verified:
         rs = request_sampling(runner, plan.req_ids[tree.batch_index])
         if not keep_rows and not rs.is_greedy and rs.greedy_equivalent:
             rs = replace(rs, temperature=0.0)
@@ -167,9 +169,9 @@ def _request_states(plan: StepPlan, runner, keep_rows: bool) -> list[RequestSamp
 
 def _tree_batch(plan: StepPlan, tokens: np.ndarray) -> tuple[TreeBatch, list[int]]:
     """The step's trees as one TreeBatch (``tokens`` [N]: their nodes' tokens, trees in
-    ``plan.trees`` order) and each tree's root index in it."""
+    ``plan.verified`` order) and each tree's root index in it."""
     req, parent, offsets, total = [], [], [], 0
-    for tree in plan.trees:
+    for tree in plan.verified:
         req.append(np.full(tree.num_nodes, tree.batch_index))
         parent.append(np.where(tree.parents >= 0, tree.parents + total, -1))
         offsets.append(total)
@@ -188,7 +190,7 @@ def _walk_penalised(plan: StepPlan, logits: torch.Tensor, flat: np.ndarray, toke
     Args:
         plan: the step layout.
         logits: [R, V] the step's logits.
-        flat: [N] the tree nodes' logits rows, trees in ``plan.trees`` order.
+        flat: [N] the tree nodes' logits rows, trees in ``plan.verified`` order.
         tokens: [N] their tokens.
         ids: [N, K] their rows' raw top-K ids.
         requests: per batch row, its sampling state (each tree's :func:`penalties_only`).
@@ -259,10 +261,10 @@ def _walk_visited(logits: torch.Tensor, flat: np.ndarray, batch: TreeBatch, offs
 
 
 def _node_paths(plan: StepPlan, tokens: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
-    """Per tree node (trees in ``plan.trees`` order): its request's batch row [N] and the
+    """Per tree node (trees in ``plan.verified`` order): its request's batch row [N] and the
     tokens on its path (root excluded, the node included)."""
     owner, paths, start, tok = [], [], 0, tokens.tolist()
-    for tree in plan.trees:
+    for tree in plan.verified:
         node_paths: list[list[int]] = [[]]
         for i, p in enumerate(tree.parents.tolist()[1:], 1):
             node_paths.append(node_paths[p] + [tok[start + i]])
@@ -282,12 +284,12 @@ def _walk_plain(plan: StepPlan, tokens: np.ndarray, targets: np.ndarray) -> Tree
 
     Args:
         plan: the step layout.
-        tokens: [N] the tree nodes' tokens, trees in ``plan.trees`` order.
+        tokens: [N] the tree nodes' tokens, trees in ``plan.verified`` order.
         targets: [N] each node's argmax, same order.
     """
     tok, tgt = tokens.tolist(), targets.tolist()
     nodes, out, start = [], [], 0
-    for tree in plan.trees:
+    for tree in plan.verified:
         n = tree.num_nodes
         children: list[list[int]] = [[] for _ in range(n)]
         for i, p in enumerate(tree.parents.tolist()[1:], 1):
@@ -322,10 +324,10 @@ def write(ver: TreeVerification, plan: StepPlan, output, logprobs_mode: str) -> 
     rows = _padded(tokens, width)
     if sampled.device.type == "cpu":  # numpy rows: after the forward each torch op costs ~20 us
         view = sampled.numpy()
-        for tree, row in zip(plan.trees, rows):
+        for tree, row in zip(plan.verified, rows):
             view[tree.batch_index] = row
     else:
-        index = torch.tensor([t.batch_index for t in plan.trees], device=sampled.device)
+        index = torch.tensor([t.batch_index for t in plan.verified], device=sampled.device)
         sampled[index] = torch.tensor(rows, dtype=sampled.dtype).to(sampled.device)
     lp = output.logprobs_tensors
     if lp is None or ver.raw is None:
@@ -334,7 +336,7 @@ def write(ver: TreeVerification, plan: StepPlan, output, logprobs_mode: str) -> 
                          lp.logprobs.shape[1] - 1, logprobs_mode)
     dest = torch.from_numpy(np.concatenate(
         [tree.batch_index * width + np.arange(len(path))
-         for tree, path in zip(plan.trees, tokens)])).to(lp.logprobs.device)
+         for tree, path in zip(plan.verified, tokens)])).to(lp.logprobs.device)
     lp.logprob_token_ids[dest] = ours.logprob_token_ids.to(lp.logprob_token_ids.dtype)
     lp.logprobs[dest] = ours.logprobs.to(lp.logprobs.dtype)
     lp.selected_token_ranks[dest] = ours.selected_token_ranks.to(lp.selected_token_ranks.dtype)
@@ -346,7 +348,7 @@ def tree_output(ver: TreeVerification, plan: StepPlan, device: torch.device):
     committed token, -1 padded (what :func:`write` puts into vLLM's own output)."""
     width = int(plan.num_drafts.max()) + 1
     rows = [[]] * len(plan.req_ids)
-    for tree, row in zip(plan.trees, _padded(ver.tokens, width)):
+    for tree, row in zip(plan.verified, _padded(ver.tokens, width)):
         rows[tree.batch_index] = row
     # numpy, then a view: right after the forward every call runs on cold caches, and
     # torch.tensor over nested lists cost 86 us there (19 us warm), this 53 us
