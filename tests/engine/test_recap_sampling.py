@@ -340,7 +340,9 @@ SMALL_TREES = {"method": "recap", "budget_policy": "fixed", "node_budget": 2, "s
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("spec", [SMALL_TREES, {"method": "recap"}], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("spec", [SMALL_TREES, {"method": "recap"},
+                                  {"method": "recap", "draft_mode": "chain"}],
+                         ids=["fixed", "adaptive", "single-path"])
 def test_greedy_equivalent_decode_steps_skip_vllms_rejection_sampler(smollm2, monkeypatch,
                                                                      spec):
     """In a step of decodes whose every request is greedy-equivalent, RECAP verifies chains and

@@ -358,10 +358,9 @@ class StepDriver:
         (Qwen2.5-VL's recommended settings at concurrency 4, bf16 SmolLM2: drafted steps of
         chains ran 57-70 ms against 24 ms without drafts), and its plain sampler does the
         same for every root. Sampled requests keep vLLM's sampler (its generator use is
-        vLLM's).
+        vLLM's). Chains need no tree attention: single-path engines (``draft_mode`` chain, or
+        trees switched off at model load) verify their steps this way too.
         """
-        if not self.tree_mode:
-            return False
         if plan.num_scheduled.tolist() != (plan.num_drafts + 1).tolist():
             return False
         for req_id in plan.req_ids:
