@@ -332,9 +332,11 @@ class StepDriver:
         is the argmax of its processed row, decided from the raw top K where it can be, as in
         a drafted step. vLLM's sampler would apply the penalties and sort the whole
         vocabulary for Qwen2.5-VL's top_k 1 / top_p 0.001 (~5 ms of a 24 ms step at
-        concurrency 4, bf16 SmolLM2). None: vLLM's sampler samples the step."""
+        concurrency 4, bf16 SmolLM2). None: vLLM's sampler samples the step -- also on a
+        device, where its sort runs on the device and this walk would add host round trips
+        to steps that idle to be cheap (not measured there)."""
         plan = ctx.plan
-        if not self._verifies_whole_step(runner, plan) \
+        if logits.device.type != "cpu" or not self._verifies_whole_step(runner, plan) \
                 or all(self._facts(runner, r).plain for r in plan.req_ids):
             return None
         t0 = time.perf_counter()
