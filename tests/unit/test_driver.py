@@ -451,14 +451,17 @@ def test_an_arriving_request_resets_the_probe_back_off():
     assert driver.stats["steps"] - driver.stats["idle_steps"] > busy_before
 
 
-@pytest.mark.parametrize("penalty", [1.0, 1.05])
-def test_penalised_greedy_requests_store_penalised_prompt_and_chain_rows(penalty, monkeypatch):
+@pytest.mark.parametrize("penalty, whole", [(1.0, False), (1.05, False), (1.05, True)])
+def test_penalised_greedy_requests_store_penalised_prompt_and_chain_rows(penalty, whole,
+                                                                         monkeypatch):
     # Rows outside trees (prompt seeds, chain and single rows) of a greedy request with a
     # repetition penalty are stored as the penalised rows its drafts will be checked against:
     # seeds with the prompt as the penalty's history (at decode time every prompt token is
-    # penalised), step rows with the output so far and the row's own chain path.
+    # penalised), step rows with the output so far and the row's own chain path. Steps RECAP
+    # verifies whole (``whole``) get them from the penalised walk of their chains; the others
+    # (a prompt chunk in the batch; forced here) from ``process_rows``.
     from vllm_recap.vllm import driver as driver_module
-    from vllm_recap.vllm import seeding
+    from vllm_recap.vllm import seeding, tree_verify
 
     calls = []
 
@@ -467,8 +470,19 @@ def test_penalised_greedy_requests_store_penalised_prompt_and_chain_rows(penalty
             calls.append((where, len(state.output_token_ids), [list(p) for p in paths]))
         return process
 
+    def walk_spy(values, ids, owner, paths, requests):
+        state = requests[int(owner[0])]
+        calls.append(("step", len(state.output_token_ids), [list(p) for p in paths]))
+        return penalised(values, ids, owner, paths, requests)
+
+    penalised = tree_verify.penalised_top_argmax
     monkeypatch.setattr(seeding, "process_rows", spy("seed"))
     monkeypatch.setattr(driver_module, "process_rows", spy("step"))
+    if whole:
+        monkeypatch.setattr(tree_verify, "penalised_top_argmax", walk_spy)
+    else:
+        monkeypatch.setattr(driver_module.StepDriver, "_verifies_whole_step",
+                            lambda self, runner, plan: False)
     engine = FakeEngine([make_driver(tree_mode=False)])
     engine.add("a", PROMPTS["a"], 60, greedy_params(repetition_penalty=penalty))
     engine.run()
