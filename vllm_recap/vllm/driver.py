@@ -272,7 +272,8 @@ class StepDriver:
 
     @_clears_context
     def sample(self, runner, original, logits: torch.Tensor, spec_decode_metadata) -> Any:
-        """vLLM's sampler, then tree acceptance over its output; keeps the step's rows."""
+        """vLLM's sampler, then tree acceptance over its output -- or, in a step RECAP verifies
+        whole, RECAP's walks alone (:meth:`_verifies_whole_step`); keeps the step's rows."""
         ctx = self.scope.current
         if ctx is not None and logits is not None and ctx.idle:
             out = self._sample_processed_roots(runner, ctx, logits)
