@@ -66,6 +66,13 @@ TREES = {"method": "recap", "budget_policy": "fixed", "node_budget": 12, "batch_
 QWEN_VL = dict(temperature=0.1, top_k=1, top_p=0.001, repetition_penalty=1.05)
 
 
+def _ids_and_stats(model: str, spec: dict | None, prompts, params):
+    """Each prompt's generated ids, and RECAP's step stats (None without speculation)."""
+    with make_llm(model, speculative_config=spec) as llm:
+        return generate_ids(llm, prompts, params), (dict(recap_proposer(llm).stats)
+                                                    if spec else None)
+
+
 def _settings(tok) -> dict[str, dict]:
     """Greedy-equivalent settings whose per-position processing the tree path must reproduce."""
     the = tok.encode(" the", add_special_tokens=False)
@@ -102,14 +109,8 @@ def test_greedy_equivalent_processed_requests_verify_trees_identically(smollm2):
             batch.append(TokensPrompt(prompt_token_ids=prompt))
             params.append(SamplingParams(max_tokens=48, **kw))
 
-    def run(spec):
-        with make_llm(smollm2, speculative_config=spec) as llm:
-            outs = [list(o.outputs[0].token_ids)
-                    for o in llm.generate(batch, params, use_tqdm=False)]
-            return outs, (dict(recap_proposer(llm).stats) if spec else None)
-
-    reference, _ = run(None)
-    out, stats = run(TREES)
+    reference, _ = _ids_and_stats(smollm2, None, batch, params)
+    out, stats = _ids_and_stats(smollm2, TREES, batch, params)
     names = [n for n in settings for _ in prompts]
     wrong = [names[i] for i, (a, b) in enumerate(zip(out, reference)) if a != b]
     assert not wrong, f"differs from plain decoding: {wrong}"
@@ -371,14 +372,8 @@ def test_greedy_equivalent_decode_steps_skip_vllms_rejection_sampler(smollm2, mo
               SamplingParams(max_tokens=40, temperature=0, presence_penalty=0.5),
               SamplingParams(max_tokens=40, temperature=0)]
 
-    def run(config):
-        with make_llm(smollm2, speculative_config=config) as llm:
-            outs = [list(o.outputs[0].token_ids)
-                    for o in llm.generate(prompts, params, use_tqdm=False)]
-            return outs, (dict(recap_proposer(llm).stats) if config else None)
-
-    reference, _ = run(None)
-    out, stats = run(spec)
+    reference, _ = _ids_and_stats(smollm2, None, prompts, params)
+    out, stats = _ids_and_stats(smollm2, spec, prompts, params)
     assert out == reference
     assert calls["drafted"] == 0, (calls, stats)
     assert stats.get("whole_steps", 0) > 0, stats
@@ -417,15 +412,9 @@ def test_idle_steps_of_processed_greedy_equivalent_requests_skip_vllms_sampler(s
                              frequency_penalty=0.4),
               SamplingParams(max_tokens=40, ignore_eos=True, **QWEN_VL)]
 
-    def run(config):
-        with make_llm(smollm2, speculative_config=config) as llm:
-            outs = [list(o.outputs[0].token_ids)
-                    for o in llm.generate(prompts, params, use_tqdm=False)]
-            return outs, (dict(recap_proposer(llm).stats) if config else None)
-
-    reference, _ = run(None)
+    reference, _ = _ids_and_stats(smollm2, None, prompts, params)
     calls["n"] = 0
-    out, stats = run({"method": "recap"})
+    out, stats = _ids_and_stats(smollm2, {"method": "recap"}, prompts, params)
     assert out == reference
     assert stats["idle_steps"] > 10, stats
     # vLLM's sampler ran in the steps RECAP did not verify whole (prefill, non-idle steps)
