@@ -36,6 +36,7 @@ from vllm_recap.vllm.memory_rows import memory_state, process_rows
 from vllm_recap.vllm.metrics import TreeMetrics, log_idle
 from vllm_recap.vllm.records import RequestBook
 from vllm_recap.vllm.seeding import MAX_ROWS_PER_STEP, PromptSeeder
+from vllm_recap.vllm.token_history import TokenHistory
 from vllm_recap.vllm.tree_sampling import RequestSampling
 from vllm_recap.vllm.tree_verify import tree_output
 from vllm_recap.vllm.tree_verify import prepare as prepare_trees
@@ -300,7 +301,8 @@ class StepDriver:
                                   keep_rows=any(f.logprobs for f in facts),
                                   plain=all(f.plain for f in facts),
                                   argmax=ids[:, 0] if top1_is_argmax(logits) else None,
-                                  top_k=self.config.top_k, top_ids=ids)
+                                  top_k=self.config.top_k, top_ids=ids,
+                                  history_of=self._history)
             if trees.memory_rows is not None:  # rows of processed distributions replace raw
                 flat, processed_ids, processed_probs = trees.memory_rows
                 ids[flat], probs[flat] = processed_ids, processed_probs
@@ -344,7 +346,8 @@ class StepDriver:
         ids, _ = topk_rows(logits, self.config.top_k)
         plan.verified = whole_step_slots(plan)
         trees = prepare_trees(plan, logits, node_tokens_of_rows(plan, runner.input_ids.np),
-                              runner, keep_rows=False, top_k=self.config.top_k, top_ids=ids)
+                              runner, keep_rows=False, top_k=self.config.top_k, top_ids=ids,
+                              history_of=self._history)
         out = tree_output(trees, plan, logits.device)
         self.stats["whole_steps"] += 1
         ctx.timing.work += time.perf_counter() - t0
@@ -577,7 +580,12 @@ class StepDriver:
         if state is None or req_id not in self.records or self._facts(runner, req_id).plain:
             return None
         return memory_state(state.sampling_params, state.prompt_token_ids,
-                            () if prompt else state.output_token_ids)
+                            () if prompt else state.output_token_ids,
+                            None if prompt else self.records.get(req_id).history)
+
+    def _history(self, req_id: str) -> TokenHistory | None:
+        """The request's token history (kept on its record), None without a record."""
+        return self.records.get(req_id).history if req_id in self.records else None
 
     def _process_step_rows(self, runner, plan, logits: torch.Tensor, rows: StepRows) -> None:
         """The memory rows of processed requests without a tree this step in their processed

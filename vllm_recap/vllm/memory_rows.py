@@ -27,22 +27,26 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from vllm_recap.vllm.token_history import TokenHistory
 from vllm_recap.vllm.tree_sampling import RequestSampling, candidate_memory_rows
 
 
 def memory_state(params, prompt_token_ids: Sequence[int] | None,
-                 output_token_ids: Sequence[int]) -> RequestSampling | None:
+                 output_token_ids: Sequence[int],
+                 history: TokenHistory | None = None) -> RequestSampling | None:
     """The state its memory rows are processed with: greedy-equivalent requests with
     penalties, ranked as greedy (as their trees' rows). None keeps the raw model's rows: plain
     greedy requests, sampled ones (see above), and requests with nothing that moves a row's
     ranking (masks and top-k/top-p cuts are not applied to memory rows; without a prompt no
-    repetition penalty can be computed)."""
+    repetition penalty can be computed). ``history``: the request's, kept between steps."""
     if params is None or (prompt_token_ids is None and params.repetition_penalty != 1.0):
         return None
     rs = RequestSampling.from_params(params, prompt_token_ids, output_token_ids)
     if not rs.greedy_equivalent or not rs.has_penalties:
         return None
-    return replace(rs, temperature=0.0)  # the argmax decides
+    if history is not None:
+        history.sync(prompt_token_ids, output_token_ids)
+    return replace(rs, temperature=0.0, history=history)  # the argmax decides
 
 
 def process_rows(logits: torch.Tensor, rows: np.ndarray, ids: np.ndarray, probs: np.ndarray,

@@ -16,6 +16,7 @@ import torch
 from vllm_recap.core.drafter import Drafter
 from vllm_recap.core.tree import DraftTree
 from vllm_recap.vllm.eligibility import SamplingFacts
+from vllm_recap.vllm.token_history import TokenHistory
 
 
 @dataclass
@@ -72,6 +73,7 @@ class RequestRecord:
         sampling: what the driver reads from the request's sampling params (see
             :class:`~vllm_recap.vllm.eligibility.SamplingFacts`), for the params it was
             worked out from.
+        history: its prompt and output as penalties read them, kept between steps.
     """
 
     salt: str | None = None
@@ -80,6 +82,7 @@ class RequestRecord:
     num_committed: int = 0
     seed: PromptSeed = field(default_factory=PromptSeed)
     sampling: SamplingFacts | None = None
+    history: TokenHistory = field(default_factory=TokenHistory)
 
 
 class RequestBook:

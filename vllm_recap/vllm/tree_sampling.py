@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_recap.vllm.token_history import TokenHistory
+
 # vLLM's _SAMPLING_EPS (v1/sample/sampler.py): a temperature below it means greedy. A copy, so
 # that plain greedy trees never import vLLM's sampler modules (tests check they agree); the
 # vLLM functions each feature reuses are imported where the feature is applied.
@@ -65,11 +67,15 @@ class RequestSampling:
     allowed_token_ids: Sequence[int] = ()
     bad_words_token_ids: Sequence[Sequence[int]] = ()
     generator: torch.Generator | None = None
+    history: TokenHistory | None = field(default=None, compare=False, repr=False)
+    """The request's prompt and output kept between steps (synced to the lists above), for
+    :func:`penalise_candidates`; None: read from the lists each time."""
 
     @classmethod
     def from_params(cls, params, prompt_token_ids: Sequence[int] | None,
                     output_token_ids: Sequence[int],
-                    generator: torch.Generator | None = None) -> RequestSampling:
+                    generator: torch.Generator | None = None,
+                    history: TokenHistory | None = None) -> RequestSampling:
         """Builds the state the way ``InputBatch.add_request`` and the builtin processors do.
 
         Args:
@@ -78,12 +84,15 @@ class RequestSampling:
             prompt_token_ids: the prompt; None (prompt embeds) only without repetition penalty.
             output_token_ids: committed output tokens, the root's token last.
             generator: the request's ``torch.Generator`` (seeded requests), else None.
+            history: the request's :class:`TokenHistory`, synced here (penalties read it).
         """
         if prompt_token_ids is None:
             if params.repetition_penalty != 1.0:
                 raise ValueError("repetition_penalty needs prompt_token_ids (prompt embeds?)")
             prompt_token_ids = ()
         greedy = params.temperature < _SAMPLING_EPS
+        if history is not None:
+            history.sync(prompt_token_ids, output_token_ids)
         return cls(
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
@@ -98,6 +107,7 @@ class RequestSampling:
             allowed_token_ids=tuple(params.allowed_token_ids or ()),
             bad_words_token_ids=tuple(tuple(w) for w in params.bad_words_token_ids or ()),
             generator=generator,
+            history=history,
         )
 
     @property
@@ -537,17 +547,22 @@ def penalise_candidates(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
             continue
         rows = np.flatnonzero(owner == g)
         cand = ids[rows]
-        output = np.asarray(rs.output_token_ids, np.int64).reshape(-1)
-        out_tok, out_cnt = np.unique(output[output >= 0], return_counts=True)
-        at = np.minimum(np.searchsorted(out_tok, cand), max(len(out_tok) - 1, 0))
-        cnt = np.where(out_tok[at] == cand, out_cnt[at], 0) if len(out_tok) else np.zeros_like(cand)
+        if rs.history is not None:
+            cnt = rs.history.output_counts(cand)
+        else:
+            output = np.asarray(rs.output_token_ids, np.int64).reshape(-1)
+            out_tok, out_cnt = np.unique(output[output >= 0], return_counts=True)
+            at = np.minimum(np.searchsorted(out_tok, cand), max(len(out_tok) - 1, 0))
+            cnt = (np.where(out_tok[at] == cand, out_cnt[at], 0) if len(out_tok)
+                   else np.zeros_like(cand))
         depth = max(1, max(len(paths[r]) for r in rows.tolist()))
         path = np.full((len(rows), depth), -1, np.int64)
         for i, r in enumerate(rows.tolist()):
             path[i, :len(paths[r])] = paths[r]
         cnt = cnt + (cand[:, :, None] == path[:, None, :]).sum(-1)
         count[rows] = cnt
-        seen[rows] = (cnt > 0) | np.isin(cand, np.asarray(rs.prompt_token_ids, np.int64))
+        seen[rows] = (cnt > 0) | (rs.history.in_prompt(cand) if rs.history is not None else
+                                  np.isin(cand, np.asarray(rs.prompt_token_ids, np.int64)))
         rep[rows], freq[rows], pres[rows] = (rs.repetition_penalty, rs.frequency_penalty,
                                              rs.presence_penalty)
     v = values.astype(np.float32, copy=True)

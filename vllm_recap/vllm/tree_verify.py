@@ -15,6 +15,7 @@ it (reads the tree rows, walks), :func:`write` after it (overwrites its output).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,6 +27,7 @@ from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.tree_sampling import (RequestSampling, TreeBatch, candidate_memory_rows,
                                            penalised_top_argmax, penalties_only,
                                            process_tree_logits)
+from vllm_recap.vllm.token_history import TokenHistory
 from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees, walk_visited
 from vllm_recap.vllm.verifier import row_argmax, rows_topk, topk_rows
 
@@ -70,17 +72,21 @@ class TreeVerification:
         return {t.batch_index: nodes for t, nodes in zip(plan.verified, self.nodes)}
 
 
-def request_sampling(runner, req_id: str) -> RequestSampling:
-    """The request's sampling state as vLLM's input batch holds it this step."""
+def request_sampling(runner, req_id: str, history: TokenHistory | None = None
+                     ) -> RequestSampling:
+    """The request's sampling state as vLLM's input batch holds it this step (``history``:
+    the request's, kept between steps, synced here)."""
     state = runner.requests[req_id]
     return RequestSampling.from_params(state.sampling_params, state.prompt_token_ids,
-                                       state.output_token_ids, state.generator)
+                                       state.output_token_ids, state.generator, history)
 
 
 def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runner,
             keep_rows: bool, argmax: np.ndarray | None = None,
             top_k: int = 0, top_ids: np.ndarray | None = None,
-            plain: bool = False) -> TreeVerification:
+            plain: bool = False,
+            history_of: Callable[[str], TokenHistory | None] | None = None
+            ) -> TreeVerification:
     """Processes and walks every tree of the step (before vLLM's sampler runs).
 
     Args:
@@ -97,13 +103,15 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
         plain: every tree request is greedy-equivalent with nothing else to process
             (:attr:`~vllm_recap.vllm.eligibility.SamplingFacts.plain`, kept per request by
             the caller): without ``keep_rows`` their sampling state is then not read at all.
+        history_of: request id -> its :class:`TokenHistory` (None: none kept), so that
+            penalties need not sort the prompt and output each step.
     """
     starts = plan.logits_starts.tolist()
     flat = [j for t in plan.verified
             for j in range(starts[t.batch_index], starts[t.batch_index] + t.num_nodes)]
     requests = None
     if not keep_rows and not plain:  # the caller did not say: read every request's state
-        requests = _request_states(plan, runner, keep_rows)
+        requests = _request_states(plan, runner, keep_rows, history_of)
         plain = all(r.is_plain for r in requests if r is not None)
     if plain and not keep_rows:
         # Plain greedy trees (the common case): the raw rows' argmax decides; no copy of the
@@ -112,7 +120,7 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
                    else row_argmax(logits[torch.tensor(flat, device=logits.device)]))
         return _walk_plain(plan, node_tokens[flat], targets)
     if requests is None:
-        requests = _request_states(plan, runner, keep_rows)
+        requests = _request_states(plan, runner, keep_rows, history_of)
     flat = np.asarray(flat, np.int64)
     live = [r for r in requests if r is not None]
     if not keep_rows and top_ids is not None and top_k > 0 \
@@ -152,7 +160,9 @@ def _walk_every_row(logits: torch.Tensor, flat: np.ndarray, batch: TreeBatch,
                                     memory_rows=memory)
 
 
-def _request_states(plan: StepPlan, runner, keep_rows: bool) -> list[RequestSampling | None]:
+def _request_states(plan: StepPlan, runner, keep_rows: bool,
+                    history_of: Callable[[str], TokenHistory | None] | None = None
+                    ) -> list[RequestSampling | None]:
     """Per batch row, the sampling state of its tree's request (None for rows without one).
 
     Without ``keep_rows``, greedy-equivalent requests (top_k = 1) are walked by argmax:
@@ -160,7 +170,8 @@ def _request_states(plan: StepPlan, runner, keep_rows: bool) -> list[RequestSamp
     vocabulary) unless logprobs of the processed rows are needed."""
     requests: list[RequestSampling | None] = [None] * len(plan.req_ids)
     for tree in plan.verified:
-        rs = request_sampling(runner, plan.req_ids[tree.batch_index])
+        req_id = plan.req_ids[tree.batch_index]
+        rs = request_sampling(runner, req_id, history_of(req_id) if history_of else None)
         if not keep_rows and not rs.is_greedy and rs.greedy_equivalent:
             rs = replace(rs, temperature=0.0)
         requests[tree.batch_index] = rs
