@@ -36,7 +36,7 @@ def _both(logits: torch.Tensor, tree, requests, seeds: list[int | None], torch_s
     top = torch.topk(logits, min(CANDIDATES, logits.shape[1]), dim=1)
     torch.manual_seed(torch_seed)
     got = walk_rows(top.values.numpy(), top.indices.numpy().astype(np.int64), tree.req, paths,
-                    with_generators(), MEMORY_K, lambda r: logits[r])
+                    with_generators(), MEMORY_K, lambda r: logits[r]).resolve_all()
     torch.manual_seed(torch_seed)
     reqs = with_generators()
     processed = process_tree_logits(logits, tree, reqs)
@@ -133,3 +133,91 @@ def test_requests_outside_the_rule_are_not_taken(kw):
     base = dict(temperature=0.7, top_k=20, top_p=0.8)
     assert from_candidates(RequestSampling([1], [2], **base))
     assert not from_candidates(RequestSampling([1], [2], **{**base, **kw}))
+
+
+def _tie_heavy(tree, vocab: int, rng) -> torch.Tensor:
+    """Rows no candidate set decides (more than CANDIDATES entries tied at 0, the top-p cut
+    among them) with a strong logit on one child's token, so walks go deep."""
+    logits = torch.zeros(tree.num_nodes, vocab)
+    for n in range(tree.num_nodes):
+        kids = np.flatnonzero(tree.parent == n)
+        if len(kids) and rng.random() < 0.8:
+            logits[n, int(tree.token[rng.choice(kids)])] = 6.0
+    return logits
+
+
+def _run(logits, tree, requests, seeds, lazy: bool):
+    from types import SimpleNamespace
+
+    from vllm_recap.vllm.tree_verify import _walk_plain, _walk_resolving
+
+    reqs = [RequestSampling(**{**rs.__dict__, "generator": None if s is None else
+                               torch.Generator().manual_seed(s)})
+            for rs, s in zip(requests, seeds)]
+    path = tree.path_tokens()
+    paths = [path[n, :tree.depth[n]].tolist() for n in range(tree.num_nodes)]
+    top = torch.topk(logits, CANDIDATES, dim=1)
+    torch.manual_seed(0)
+    rows = walk_rows(top.values.numpy(), top.indices.numpy().astype(np.int64), tree.req, paths,
+                     reqs, MEMORY_K, lambda r: logits[r])
+    plan = SimpleNamespace(verified=[
+        SimpleNamespace(num_nodes=int((tree.req == r).sum()),
+                        parents=np.where(tree.parent[tree.req == r] >= 0,
+                                         tree.parent[tree.req == r] - np.flatnonzero(tree.req == r)[0],
+                                         -1))
+        for r in range(len(requests))])
+    tokens = np.asarray(tree.token, np.int64)
+    if lazy:
+        return _walk_resolving(plan, tokens, rows), rows
+    return _walk_plain(plan, tokens, rows.resolve_all().target), rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_walks_process_only_the_undecided_rows_they_reach(seed):
+    """A row the candidates do not decide is processed whole only when a walk reaches it
+    (one whole row is a sort of the vocabulary): the walks equal walks over every row
+    processed whole, seeded draws included, every resolved row is one a walk visited, and
+    rows no walk reached stay pending with their candidates' memory rows."""
+    rng = np.random.default_rng(seed)
+    vocab = 300
+    requests = [_request(None, rng.integers(0, 12, 8).tolist(), rng.integers(0, 12, 4).tolist(),
+                         t, 20, 0.8, rep=1.05) for t in (0.7, 0.0, 0.7)]
+    tree = random_forest(rng, requests, [9, 7, 12], n_tokens=12)
+    logits = _tie_heavy(tree, vocab, rng)
+    seeds = [seed, None, seed + 100]
+    eager, all_rows = _run(logits, tree, requests, seeds, lazy=False)
+    lazy, rows = _run(logits, tree, requests, seeds, lazy=True)
+    assert lazy.tokens == eager.tokens
+    assert [a.tolist() for a in lazy.nodes] == [a.tolist() for a in eager.nodes]
+    assert all_rows.whole_rows == tree.num_nodes  # every row was undecided
+    starts = np.r_[0, np.cumsum([(tree.req == r).sum() for r in range(len(requests))])]
+    visited = {int(s) + int(v) for s, nodes in zip(starts, lazy.nodes) for v in [0, *nodes]}
+    resolved = set(range(tree.num_nodes)) - rows.pending
+    assert resolved == visited  # every walk passed only through rows it had to process
+    assert rows.whole_rows == len(resolved) < tree.num_nodes
+    # resolved rows' memory rows are the whole-row path's
+    for r in resolved:
+        np.testing.assert_array_equal(rows.memory_ids[r], all_rows.memory_ids[r])
+        np.testing.assert_array_equal(rows.memory_probs[r], all_rows.memory_probs[r])
+    assert (rows.target[sorted(rows.pending)] == -1).all()
+
+
+def test_pending_rows_resolve_alike_in_any_order():
+    """Every row's uniform is drawn before any row is resolved, so resolving rows late and in
+    any order draws what resolving them at once draws."""
+    rng = np.random.default_rng(3)
+    requests = [_request(None, [1, 2, 3], [4, 5], 0.7, 20, 0.8, rep=1.05)]
+    tree = random_forest(rng, requests, [10], n_tokens=12)
+    logits = _tie_heavy(tree, 300, rng)
+    path = tree.path_tokens()
+    paths = [path[n, :tree.depth[n]].tolist() for n in range(tree.num_nodes)]
+    top = torch.topk(logits, CANDIDATES, dim=1)
+    out = []
+    for order in (range(tree.num_nodes), reversed(range(tree.num_nodes))):
+        reqs = [RequestSampling(**{**requests[0].__dict__,
+                                   "generator": torch.Generator().manual_seed(7)})]
+        rows = walk_rows(top.values.numpy(), top.indices.numpy().astype(np.int64), tree.req,
+                         paths, reqs, MEMORY_K, lambda r: logits[r])
+        assert len(rows.pending) == tree.num_nodes
+        out.append([rows.resolve(r) for r in order])
+    assert out[0] == out[1][::-1]

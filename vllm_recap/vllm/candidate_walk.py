@@ -26,7 +26,7 @@ rule). A row the candidates do not decide is processed whole, with the same draw
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -51,22 +51,41 @@ def from_candidates(rs: RequestSampling) -> bool:
                                     and rs.min_p == 0.0)
 
 
-@dataclass(frozen=True)
+@dataclass
 class CandidateRows:
     """The outcome for M node rows.
 
     Attributes:
-        target: [M] int64, the argmax (greedy-equivalent rows) or the draw (sampled rows).
-        memory_ids: [M, K] int64, each row's top K by processed value, largest first.
+        target: [M] int64, the argmax (greedy-equivalent rows) or the draw (sampled rows);
+            -1 for a row the candidates did not decide and :meth:`resolve` has not processed.
+        memory_ids: [M, K] int64, each row's top K by processed value, largest first (for a
+            row not resolved, as far as its candidates show it).
         memory_probs: [M, K] float32, the softmax over those K processed values (0 for
             masked entries).
         whole_rows: how many rows were processed whole.
+        pending: rows the candidates did not decide, not processed yet.
     """
 
     target: np.ndarray
     memory_ids: np.ndarray
     memory_probs: np.ndarray
     whole_rows: int = 0
+    pending: set[int] = field(default_factory=set)
+    _resolve: Callable[[int], None] | None = field(default=None, repr=False)
+
+    def resolve(self, r: int) -> int:
+        """Processes pending row ``r`` whole (its target and memory row become the whole-row
+        path's); returns its target."""
+        if r in self.pending:
+            self.pending.discard(r)
+            self._resolve(r)
+            self.whole_rows += 1
+        return int(self.target[r])
+
+    def resolve_all(self) -> CandidateRows:
+        for r in sorted(self.pending):
+            self.resolve(r)
+        return self
 
 
 def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
@@ -86,7 +105,11 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
         whole: row index -> that row's raw logits [V]: rows the candidates do not decide
             (about 4% under Qwen2.5's text settings in bf16, mostly equal logits across the
             top-p cut, which vLLM's unstable sort decides) are processed whole, as
-            ``process_tree_logits`` and ``verify_trees`` would, with the same uniform draw.
+            ``process_tree_logits`` and ``verify_trees`` would, with the same uniform draw --
+            when asked (:meth:`CandidateRows.resolve`): a walk reaches few of a tree's rows,
+            and one whole row costs a sort of the vocabulary (~2.6 ms for 49k on the 2-core
+            CPU). Every row's uniform is drawn here, so a row resolved late draws what it
+            would have drawn at once.
     """
     processed = penalise_candidates(values, ids, owner, paths, requests)
     rest = values[:, -1]
@@ -116,7 +139,7 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
         target[greedy] = np.where(tie, mem_ids[greedy], np.iinfo(np.int64).max).min(axis=1)
         # decided: the best (and the K-th, for the memory row) above every entry outside
         undecided[greedy] = ~((top[:, 0] > rest[greedy]) & (top[:, -1] > rest[greedy]))
-    for r in np.flatnonzero(~np.isfinite(mem_vals[:, -1]) & ~undecided).tolist():
+    for r in np.flatnonzero(~np.isfinite(mem_vals[:, -1])).tolist():
         live = mem_ids[r][np.isfinite(mem_vals[r])]
         spare = np.setdiff1d(np.arange(memory_k + len(live)), live)
         mem_ids[r, len(live):] = spare[:memory_k - len(live)]
@@ -124,7 +147,8 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
     _, probs = topk_probs(np.ascontiguousarray(mem_vals).view(np.int32), memory_k, False)
     at = {int(r): i for i, r in enumerate(sampled.tolist())}
     p_set = any(requests[g].top_p < 1 for g in owner[sampled].tolist())
-    for r in np.flatnonzero(undecided).tolist():
+
+    def resolve(r: int) -> None:
         row = _whole_row(whole(r), requests[owner[r]], paths[r], p_set)
         if greedy[r]:
             target[r] = int(greedy_sample(row)[0])
@@ -132,7 +156,10 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
             target[r] = int(sample_rows(torch.softmax(row, dim=-1),
                                         uniforms=uniforms[at[r]:at[r] + 1])[0])
         mem_ids[r], probs[r] = (a[0] for a in topk_rows(row, memory_k))
-    return CandidateRows(target, mem_ids, probs, int(undecided.sum()))
+
+    pending = np.flatnonzero(undecided).tolist()
+    target[pending] = -1
+    return CandidateRows(target, mem_ids, probs, pending=set(pending), _resolve=resolve)
 
 
 def _whole_row(logits: torch.Tensor, rs: RequestSampling, path: Sequence[int],

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from vllm.v1.outputs import SamplerOutput
 
-from vllm_recap.vllm.candidate_walk import CANDIDATES, from_candidates, walk_rows
+from vllm_recap.vllm.candidate_walk import (CANDIDATES, CandidateRows, from_candidates,
+                                            walk_rows)
 from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.tree_sampling import (RequestSampling, TreeBatch, candidate_memory_rows,
                                            penalised_top_argmax, penalties_only,
@@ -222,9 +223,11 @@ def _walk_candidates(plan: StepPlan, logits: torch.Tensor, flat: np.ndarray,
                      tokens: np.ndarray, requests: list[RequestSampling | None],
                      memory_k: int) -> TreeVerification | None:
     """Walks of the step's trees decided from each node row's ``CANDIDATES`` largest logits
-    (:mod:`~vllm_recap.vllm.candidate_walk`; rows they do not decide are processed whole);
-    None on a device. Arguments as :func:`_walk_penalised` (each request
-    :func:`~vllm_recap.vllm.candidate_walk.from_candidates`)."""
+    (:mod:`~vllm_recap.vllm.candidate_walk`); a row they do not decide is processed whole
+    when a walk reaches it (a walk stops at a pending row's target -1, which no child has;
+    that row is resolved and the trees walked again), rows no walk reaches keep their
+    candidates' memory rows. None on a device. Arguments as :func:`_walk_penalised` (each
+    request :func:`~vllm_recap.vllm.candidate_walk.from_candidates`)."""
     top = rows_topk(logits, flat, min(CANDIDATES, logits.shape[1]))
     if top is None:
         return None
@@ -232,9 +235,28 @@ def _walk_candidates(plan: StepPlan, logits: torch.Tensor, flat: np.ndarray,
     owner, paths = _node_paths(plan, tokens)
     rows = walk_rows(values, ids, owner, paths, requests, memory_k,
                      lambda r: logits[int(flat[r])])
-    ver = _walk_plain(plan, tokens, rows.target)
+    ver = _walk_resolving(plan, tokens, rows)
     ver.memory_rows = (flat, rows.memory_ids, rows.memory_probs)
     return ver
+
+
+def _walk_resolving(plan: StepPlan, tokens: np.ndarray, rows: CandidateRows
+                    ) -> TreeVerification:
+    """:func:`_walk_plain` over ``rows.target``, resolving the pending rows the walks reach:
+    a walk stops at a pending row (its target -1 is no child's token); that row is processed
+    whole and the trees walked again, until no walk ends at a pending row. The result is the
+    walk over every row resolved; rows no walk reaches stay pending."""
+    starts = np.cumsum([0] + [t.num_nodes for t in plan.verified]).tolist()
+    while True:
+        ver = _walk_plain(plan, tokens, rows.target)
+        # the row each walk stopped at: its last accepted node's, or its root's
+        ends = [start + (int(nodes[-1]) if len(nodes) else 0)
+                for start, nodes in zip(starts, ver.nodes)]
+        reached = [r for r in ends if r in rows.pending]
+        if not reached:
+            return ver
+        for r in reached:
+            rows.resolve(r)
 
 
 def _walk_visited(logits: torch.Tensor, flat: np.ndarray, batch: TreeBatch, offsets: list[int],
