@@ -160,12 +160,12 @@ def _run(logits, tree, requests, seeds, lazy: bool):
     torch.manual_seed(0)
     rows = walk_rows(top.values.numpy(), top.indices.numpy().astype(np.int64), tree.req, paths,
                      reqs, MEMORY_K, lambda r: logits[r])
-    plan = SimpleNamespace(verified=[
-        SimpleNamespace(num_nodes=int((tree.req == r).sum()),
-                        parents=np.where(tree.parent[tree.req == r] >= 0,
-                                         tree.parent[tree.req == r] - np.flatnonzero(tree.req == r)[0],
-                                         -1))
-        for r in range(len(requests))])
+    def local(r):  # request r's tree: its nodes' parents within the tree (root -1)
+        parent, first = tree.parent[tree.req == r], np.flatnonzero(tree.req == r)[0]
+        return SimpleNamespace(num_nodes=len(parent),
+                               parents=np.where(parent >= 0, parent - first, -1))
+
+    plan = SimpleNamespace(verified=[local(r) for r in range(len(requests))])
     tokens = np.asarray(tree.token, np.int64)
     if lazy:
         return _walk_resolving(plan, tokens, rows), rows

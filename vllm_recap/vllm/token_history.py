@@ -41,7 +41,8 @@ class TokenHistory:
         if prompt is not self._prompt_list or len(prompt) != self._prompt_len:
             self._prompt = np.unique(np.asarray(prompt, np.int64).reshape(-1))
             self._prompt_list, self._prompt_len = prompt, len(prompt)
-        output = list(output)
+        if not isinstance(output, list):  # a list's prefix compares with the consumed one
+            output = list(output)
         done = len(self._consumed)
         if output[:done] != self._consumed:
             self._counts, self._consumed, done = {}, [], 0
