@@ -23,6 +23,13 @@ pytestmark = pytest.mark.unit
 MEMORY_K = 8
 
 
+def _resolve_all(rows):
+    """Every pending row processed whole, as the walk-free reference needs them."""
+    for r in sorted(rows.pending):
+        rows.resolve(r)
+    return rows
+
+
 def _both(logits: torch.Tensor, tree, requests, seeds: list[int | None], torch_seed: int):
     """(candidate walk result, whole-row targets [N], whole-row memory rows)."""
     def with_generators():
@@ -35,8 +42,9 @@ def _both(logits: torch.Tensor, tree, requests, seeds: list[int | None], torch_s
     paths = [path[n, :tree.depth[n]].tolist() for n in range(tree.num_nodes)]
     top = torch.topk(logits, min(CANDIDATES, logits.shape[1]), dim=1)
     torch.manual_seed(torch_seed)
-    got = walk_rows(top.values.numpy(), top.indices.numpy().astype(np.int64), tree.req, paths,
-                    with_generators(), MEMORY_K, lambda r: logits[r]).resolve_all()
+    got = _resolve_all(walk_rows(top.values.numpy(), top.indices.numpy().astype(np.int64),
+                                 tree.req, paths, with_generators(), MEMORY_K,
+                                 lambda r: logits[r]))
     torch.manual_seed(torch_seed)
     reqs = with_generators()
     processed = process_tree_logits(logits, tree, reqs)
@@ -169,7 +177,7 @@ def _run(logits, tree, requests, seeds, lazy: bool):
     tokens = np.asarray(tree.token, np.int64)
     if lazy:
         return _walk_resolving(plan, tokens, rows), rows
-    return _walk_plain(plan, tokens, rows.resolve_all().target), rows
+    return _walk_plain(plan, tokens, _resolve_all(rows).target), rows
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -82,11 +82,6 @@ class CandidateRows:
             self.whole_rows += 1
         return int(self.target[r])
 
-    def resolve_all(self) -> CandidateRows:
-        for r in sorted(self.pending):
-            self.resolve(r)
-        return self
-
 
 def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
               paths: Sequence[Sequence[int]], requests: Sequence[RequestSampling],
