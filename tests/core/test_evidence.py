@@ -242,3 +242,47 @@ def test_a_verified_tree_laid_out_best_first_teaches_the_calibration_alike() -> 
     tested = [sum(sum(s["tested"]) for s in snap.values()) for snap in snaps]
     assert snaps[0] == snaps[1] and tested[0] > 0
     assert 0 < tested[2] < tested[0]
+
+
+def test_continuations_alone_are_the_full_trees_continuation_nodes() -> None:
+    """`propose_continuations` drafts what needs no target rows: the continuation nodes of
+    the full tree (same tokens, parents and scores), no memory node, at most ``max_nodes``."""
+    d = drafter(node_budget=3)
+    full = with_unigram(d, TEXT + [1])
+    alone = d.propose_continuations("a", 16)
+    assert np.all((alone.sources[1:] & SOURCE_SUFFIX) > 0)
+    tokens, scores = expected_continuation(1, TEXT)
+    assert alone.best_path().tolist() == tokens and alone.is_chain()
+    assert alone.scores[1:].tolist() == pytest.approx(scores)
+    in_full = [int(np.flatnonzero(full.tokens == t)[0]) for t in tokens]
+    assert full.scores[in_full].tolist() == pytest.approx(scores)
+    assert d.propose_continuations("a", 2).num_drafts == 2
+    assert d.propose_continuations("a", 0).num_drafts == 0
+    # continuations off: a root-only tree
+    for off in (drafter(suffix_len=0), drafter(suffix_mode="earliest", suffix_len=4)):
+        off.start("a", TEXT + [1])
+        assert off.propose_continuations("a", 16).num_drafts == 0
+
+
+def test_verified_without_rows_calibrates_as_observe_does_and_stores_no_rows() -> None:
+    """A step that verified a proposal's nodes without returning rows teaches the source
+    calibration exactly what `observe` would (the same nodes held), and no memory."""
+    snaps, rows = [], []
+    for rowless in (False, True):
+        d = drafter(node_budget=3, calibrated_scores=True)
+        d.start("a", TEXT + [1])
+        t = d.propose_continuations("a", 16)
+        v = t.truncate(3)
+        if rowless:
+            d.verified_without_rows("a", v.tokens, v.parents)
+        else:
+            d.observe("a", v.tokens, v.parents, np.zeros((3, 2), np.int64), np.ones((3, 2)))
+        d.commit("a", t.best_path().tolist()[:1] + [0])
+        snaps.append(d.acceptance_snapshot())
+        rows.append(d.unigram_table("a").num_rows)
+    assert snaps[0] == snaps[1] and sum(sum(s["tested"]) for s in snaps[0].values()) == 2
+    assert rows == [3, 0]
+    with pytest.raises(ValueError, match="last history token"):
+        d.verified_without_rows("a", [5, 6], [-1, 0])
+    with pytest.raises(ValueError, match="parents"):
+        d.verified_without_rows("a", [0, 6], [-1, 1])
