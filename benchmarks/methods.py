@@ -105,9 +105,6 @@ _ALL: list[Method] = [
     Method("recap-tree", _recap(), "RECAP tree, CPU defaults (node budget 16, adaptive)"),
     Method("recap-tree-no-seed", _recap(prompt_seed_rows=0),
            "RECAP tree, CPU defaults, without prompt seeding (its cost under load)"),
-    Method("recap-tree-no-idle-drafts", _recap(idle_drafts=False),
-           "RECAP tree, CPU defaults, without idle steps' continuation chains (idle steps "
-           "draft nothing)"),
     Method("recap-nodraft", _fixed(0, suffix_len=0, num_speculative_tokens=1),
            "RECAP that never drafts: its fixed per-step cost (rows, memories) on vLLM's "
            "speculative path, the floor of what an idle controller costs"),

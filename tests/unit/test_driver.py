@@ -235,12 +235,10 @@ def test_scheduled_drafts_that_are_not_the_proposal_verify_as_a_chain():
 def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     """While the budget keeps choosing no drafts the driver stops computing rows and trees
     (idle), probes every PROBE_EVERY steps, and drafts again once drafting pays; the tokens of
-    idle steps still reach the drafter (outputs identical; without idle drafts, from vLLM's
-    history when the next full step catches up)."""
+    idle steps still reach the drafter (outputs identical)."""
     from vllm_recap.vllm.driver import IDLE_AFTER, PROBE_EVERY
 
-    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE,
-                         idle_drafts=False)
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)
     driver = engine.drivers[0]
     choice = {"b": 0}
@@ -254,40 +252,6 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     out = engine.run()
     assert out == _reference(engine.target, 90)
     assert driver.stats["tree_requests"] > 0 and driver.stats["resynced"] > 0
-
-
-def test_idle_steps_draft_continuation_chains_and_stay_idle():
-    """Idle steps take no rows but commit their tokens and may draft continuation chains
-    (`Drafter.propose_continuations`), verified by the engine's chain sampler: outputs stay
-    identical, the driver stays idle (drafts that need no rows do not mean the full trees
-    pay), the chains are continuations alone, and their outcomes calibrate the sources."""
-    from vllm_recap.core.tree import SOURCE_MEMORY
-
-    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
-    engine = _engine(config=config)
-    driver = engine.drivers[0]
-    offered = []
-
-    def choose(trees, prefill, kinds=None, context=0, chains=False):
-        idle = driver.scope.current.idle
-        if idle:
-            offered.extend(trees)
-        b = 4 if idle else 0  # the full trees never pay, idle continuation chains do
-        driver.budget.last_chain, driver.budget.last_counts = chains and b > 0, [b] * len(trees)
-        return b
-
-    driver.budget.choose = choose
-    _add_all(engine, 90)
-    out = engine.run()
-    assert out == _reference(engine.target, 90)
-    assert driver.stats["idle_draft_steps"] > 10 and driver.stats["tree_requests"] == 0
-    assert driver.stats["idle_steps"] > 0.8 * driver.stats["steps"] - 10
-    assert offered and all(t.is_chain() and t.num_nodes > 1 for t in offered)
-    assert not any(np.any(t.sources[1:] == SOURCE_MEMORY) for t in offered)
-    assert driver.stats["resynced"] == 0  # idle steps committed their own tokens
-    snap = driver.drafter.acceptance_snapshot()
-    assert sum(sum(snap[s]["tested"]) for s in ("suffix", "shared")) > 0
-    assert driver.drafter.num_requests == 0 and len(driver.records) == 0
 
 
 def test_idle_probes_back_off_while_they_find_nothing():

@@ -229,13 +229,6 @@ class RecapConfig:
     occurrence of each distinct prompt token, in order); each costs one extra LM-head row in
     the prefill step. 0 = no seeding. Range [0, 65536]."""
 
-    idle_drafts: bool = True
-    """With the adaptive budget: in steps where RECAP idles (drafting its full trees did not
-    pay for the batch, e.g. under load; its per-request row work is skipped), still draft
-    each request's continuation chain -- its own automaton's and the shared index's, which
-    need no target rows -- where the budget finds it pays, verified by vLLM's sampler as a
-    chain. False = idle steps draft nothing."""
-
     batch_node_budget: int = 0
     """Draft nodes per engine step across all decoding requests: each request gets
     min(node_budget, batch_node_budget // decoding requests), so verification cost stays
@@ -263,7 +256,6 @@ class RecapConfig:
         _check_float("suffix_prior", self.suffix_prior, 0.0, 1.0, low_open=True)
         _check_int("shared_index_tokens", self.shared_index_tokens, 64, 1 << 24)
         _check_bool("calibrated_scores", self.calibrated_scores)
-        _check_bool("idle_drafts", self.idle_drafts)
         _check_floats("priors", self.priors, 3, 3)
         _check_floats("depth_discounts", self.depth_discounts, 1, MAX_DEPTH)
         _check_bool("persistent_unigram", self.persistent_unigram)

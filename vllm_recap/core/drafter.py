@@ -242,30 +242,13 @@ class Drafter:
         status = kernels.observe_tree(tokens, parents, h2, h1, ids, probs, self._memories(req))
         if status:
             raise ValueError(f"request {req_id!r}: observe: {_OBSERVE_ERRORS[status]}")
-        _note_verified(req, tokens, parents)
-
-    def verified_without_rows(self, req_id: str, node_tokens: np.ndarray,
-                              parents: np.ndarray) -> None:
-        """The engine verified these nodes but returns no rows for them (a step that skipped
-        RECAP's row work): the memories learn nothing, and the next `commit` still calibrates
-        the node sources by what held. Arguments as in `observe`, without the rows.
-
-        Raises:
-            ValueError: unknown request, root mismatch or malformed parents.
-        """
-        req = self._get(req_id)
-        tokens = np.ascontiguousarray(node_tokens, np.int64)
-        parents = np.ascontiguousarray(parents, np.int64)
-        n = tokens.shape[0] if tokens.ndim == 1 else 0
-        if n == 0 or parents.shape != (n,) or parents[0] != -1 or np.any(
-                parents[1:] >= np.arange(1, n)) or np.any(parents[1:] < 0):
-            raise ValueError(f"request {req_id!r}: {_OBSERVE_ERRORS[1]} (node_tokens [n>=1], "
-                             f"parents [n]); got {tokens.shape}, {parents.shape}")
-        if tokens[0] != req.history[-1]:
-            raise ValueError(
-                f"request {req_id!r}: node_tokens[0] = {int(tokens[0])} is not the last history "
-                f"token {req.history[-1]} (mark a step verified before committing it)")
-        _note_verified(req, tokens, parents)
+        pending = req.pending
+        if pending is not None and n > 1:
+            if kernels.same_prefix(tokens, parents, pending[0], pending[1]):
+                req.verified = n
+            else:  # laid out otherwise (best node first), or something else entirely
+                req.pending = _verified_subtree(tokens, parents, pending)
+                req.verified = n if req.pending is not None else 0
 
     def commit(self, req_id: str, tokens: Sequence[int]) -> None:
         """Appends committed tokens (accepted drafts + bonus) to the history."""
@@ -338,35 +321,12 @@ class Drafter:
         ints = out_ints[:3, :n].copy()  # one copy for tokens, parents and depths
         return DraftTree(ints[0], ints[1], out_scores[:n].copy(), chain, ints[2])
 
-    def propose_continuations(self, req_id: str, max_nodes: int) -> DraftTree:
-        """A tree of continuation nodes alone (the request's automaton and the shared index, no
-        memory nodes): what can be drafted without the target's rows, e.g. after an engine step
-        that skipped them. Scored and calibrated as in `propose`.
-
-        Args:
-            req_id: a started request.
-            max_nodes: most draft nodes (at most the configured suffix_len are drafted).
-
-        Returns:
-            DraftTree as `propose` (best chain at 1..L); root-only where continuations are
-            off (suffix_len 0, suffix_mode earliest, the fixed template, Token Recycling).
-        """
-        req = self._get(req_id)
-        allowance = min(_nonneg("max_nodes", max_nodes), self._suffix_len)
-        req.pending = None
-        req.verified = 0
-        if not self._evidence or allowance == 0 or self._depth == 0:
-            return DraftTree.root_only(req.history[-1])
-        return self._propose_evidence(req, 0, self._depth, False, allowance)
-
     def _propose_evidence(self, req: _Request, budget: int, depth: int,
-                          depth_given: bool, allowance: int | None = None) -> DraftTree:
-        """`propose` with suffix_mode evidence: one best-first tree over every source
-        (``budget`` memory nodes, ``allowance`` continuation nodes, default suffix_len)."""
+                          depth_given: bool) -> DraftTree:
+        """`propose` with suffix_mode evidence: one best-first tree over every source."""
         hist = req.history
         root = hist[-1]
-        if allowance is None:
-            allowance = self._suffix_len
+        allowance = self._suffix_len
         v_l = m_l = v_s = m_s = 0
         if req.sam is not None:
             v_l, m_l = req.sam.matched()
@@ -526,19 +486,6 @@ class Drafter:
         status = kernels.observe_contexts(ctx3, ids, probs, self._memories(req))
         if status:
             raise ValueError(f"request {req_id!r}: prompt_rows: {_OBSERVE_ERRORS[status]}")
-
-
-def _note_verified(req: _Request, tokens: np.ndarray, parents: np.ndarray) -> None:
-    """Remembers which nodes of the request's pending proposal were verified (tokens and
-    parents [n] of the verified tree), for the calibration at the next commit."""
-    pending = req.pending
-    n = tokens.shape[0]
-    if pending is not None and n > 1:
-        if kernels.same_prefix(tokens, parents, pending[0], pending[1]):
-            req.verified = n
-        else:  # laid out otherwise (best node first), or something else entirely
-            req.pending = _verified_subtree(tokens, parents, pending)
-            req.verified = n if req.pending is not None else 0
 
 
 def _verified_subtree(tokens: np.ndarray, parents: np.ndarray,

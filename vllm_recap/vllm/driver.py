@@ -151,13 +151,9 @@ class StepDriver:
                                    settings.seed_rows_per_step)
         self.budget = BudgetController(settings.num_spec_tokens, config.depth_discounts)
         self.adaptive = config.budget_policy is BudgetPolicy.ADAPTIVE
-        # Idle steps still draft continuation chains (they need no rows); see _idle.
-        self.idle_drafts = self.adaptive and config.idle_drafts
-        self._light_laid = False  # the last proposals were continuation chains of an idle step
         self.metrics = TreeMetrics()
         self.stats = {"steps": 0, "idle_steps": 0, "tree_requests": 0, "off_chain_accepts": 0,
-                      "kv_compactions": 0, "resynced": 0, "whole_steps": 0,
-                      "idle_draft_steps": 0}
+                      "kv_compactions": 0, "resynced": 0, "whole_steps": 0}
         self._quiet = 0  # consecutive steps without scheduled drafts
         self._probe_every = PROBE_EVERY  # idle steps between probes
         self._since_probe = 0  # idle or probing steps since the last probe window began
@@ -244,14 +240,8 @@ class StepDriver:
         did not resume drafting, up to ``PROBE_EVERY_LONGEST`` (at concurrency 8, probing 2
         steps in 16 plus the steps before idling again cost more than drafting won); it starts
         over at ``PROBE_EVERY`` when a request arrives. Both inputs are the same on every
-        tensor-parallel rank (the proposals are the full trees every rank builds).
-
-        An idle step's rows are not taken, but its tokens are committed and, with
-        ``idle_drafts``, each request may draft a continuation chain (its automaton's and the
-        shared index's, which need no rows; `Drafter.propose_continuations`) where the budget
-        finds it pays, verified by vLLM's sampler as a chain: under load suffix decoding's
-        short confident drafts paid where RECAP's full trees did not. Such drafts keep the
-        driver idle.
+        tensor-parallel rank (the proposals are the full trees every rank builds). Idle steps' tokens reach the drafter later from vLLM's history
+        (``_catch_up``); their rows are not stored.
         """
         running = set(plan.req_ids)
         if not running <= self._running:
@@ -262,9 +252,7 @@ class StepDriver:
             self._probe_every = PROBE_EVERY
             self._since_probe = min(self._since_probe, PROBE_EVERY)
         self._running = running
-        if self._light_laid:
-            pass  # an idle step's continuation chains: the full trees still do not pay
-        elif plan.num_drafts.any():
+        if plan.num_drafts.any():
             self._quiet, self._since_probe, self._probe_every = 0, 0, PROBE_EVERY
         elif any(tree.num_nodes > 1 for tree in proposals.values()):
             self._quiet += 1  # drafts were offered and the budget declined them
@@ -407,19 +395,13 @@ class StepDriver:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         if ctx is None:
             return drafts
-        light = ctx.rows is None  # an idle step: no rows to observe
-        if light and not (ctx.idle and self.idle_drafts):  # ... and nothing to propose
+        if ctx.rows is None:  # an idle step: nothing to observe, nothing to propose
             self._free_finished(runner, ctx, sampled_token_ids)
-            self._light_laid = False
             self.clock.step_finished(ctx.timing)
             return drafts
         t0 = time.perf_counter()
-        if light:
-            node_tokens = node_tokens_of_rows(ctx.plan, runner.input_ids.np)
-        else:
-            node_tokens = ctx.rows.node_tokens
-            self._seed_prompts(runner, ctx, hidden_states)
-        rooms = [self._advance(runner, ctx, i, sampled, node_tokens)
+        self._seed_prompts(runner, ctx, hidden_states)
+        rooms = [self._advance(runner, ctx, i, sampled)
                  for i, sampled in enumerate(sampled_token_ids)]
         if ctx.decision is not None:
             self._outcome = (ctx.decision, sum(max(len(s) - 1, 0) for s in sampled_token_ids))
@@ -431,13 +413,9 @@ class StepDriver:
         batch_cap = (self.config.batch_node_budget // len(decoding)
                      if self.config.batch_node_budget and decoding else None)
         trees = {i: self._draft(runner, ctx.plan.req_ids[i], min(cap, rooms[i]),
-                                rooms[i] if batch_cap is None else min(rooms[i], batch_cap),
-                                light)
+                                rooms[i] if batch_cap is None else min(rooms[i], batch_cap))
                  for i in decoding}
-        counts, chain = {i: cap for i in trees}, light
-        if light:  # verified by vLLM's sampler: chains only (see _idle)
-            trees = {i: tree.first_path() for i, tree in trees.items()
-                     if tree.num_nodes > 1}
+        counts, chain = {i: cap for i in trees}, False
         if self.adaptive and trees:
             # The budget verifies a prefix of each tree: lay the best nodes first, so a prefix
             # of b nodes is the best b-node subtree (the builders' layout puts the whole best
@@ -455,10 +433,8 @@ class StepDriver:
             self.budget.choose(list(trees.values()), next_prefill_tokens(ctx.plan), kinds,
                                context, chains=True)
             counts = dict(zip(trees, self.budget.last_counts))
-            chain = self.budget.last_chain or light
+            chain = self.budget.last_chain
             self._decision = self.budget.last_decision
-        self._light_laid = light
-        self.stats["idle_draft_steps"] += int(light and any(counts.get(i, 0) for i in trees))
         for i, tree in trees.items():
             # Every rank records the same full tree; only the count sent to the scheduler
             # (rank 0's, from its clock) is local, and the next layout cuts by what vLLM
@@ -481,11 +457,8 @@ class StepDriver:
 
     # -- per request -----------------------------------------------------------------------
 
-    def _advance(self, runner, ctx: StepContext, i: int, sampled: list[int],
-                 node_tokens: np.ndarray) -> int:
-        """Observes this step's rows (``node_tokens`` [R]: the input token of each logits
-        row; an idle step has no rows: its verified nodes only) and commits its tokens for
-        batch row ``i``.
+    def _advance(self, runner, ctx: StepContext, i: int, sampled: list[int]) -> int:
+        """Observes this step's rows and commits its tokens for batch row ``i``.
 
         Returns:
             How many draft tokens the request may get next (0: none -- a prefill chunk, a
@@ -502,11 +475,8 @@ class StepDriver:
         s, e = plan.logits_starts[i], plan.logits_starts[i + 1]
         rows = ctx.rows
         parents = plan.parents[i]
-        if rows is None:
-            self.drafter.verified_without_rows(req_id, node_tokens[s:e], parents)
-        else:
-            self.drafter.observe(req_id, node_tokens[s:e], parents, rows.ids[s:e],
-                                 rows.probs[s:e])
+        self.drafter.observe(req_id, rows.node_tokens[s:e], parents, rows.ids[s:e],
+                             rows.probs[s:e])
         accepted = len(sampled) - 1
         if len(parents) > 1:
             self.metrics.record(len(parents) - 1, int(self._depths(ctx, req_id, parents).max()),
@@ -559,13 +529,9 @@ class StepDriver:
             self.stats["resynced"] += 1
         record.num_committed = before
 
-    def _draft(self, runner, req_id: str, node_budget: int, room: int,
-               continuations: bool = False) -> DraftTree:
+    def _draft(self, runner, req_id: str, node_budget: int, room: int) -> DraftTree:
         """The request's full tree (``node_budget`` nodes plus the suffix path, at most
-        ``room`` drafts), or with ``continuations`` its continuation nodes alone; its best
-        chain alone for requests that cannot verify a tree."""
-        if continuations:
-            return self.drafter.propose_continuations(req_id, room)
+        ``room`` drafts); its best chain alone for requests that cannot verify a tree."""
         tree = self.drafter.propose(req_id, node_budget=node_budget)
         if not self.tree_mode or not self._facts(runner, req_id).trees:
             tree = tree.truncate(1 + tree.chain_len)  # the best chain sits at 1..L
