@@ -6,7 +6,9 @@
 Two servers are started together (their start-ups overlap; ~45-65 s for both here), both
 from the ``vllm`` next to the running interpreter (``.venv/bin``) with the same flags
 (float32, eager, max_model_len, KV budget, users' multiprocess engine): one with
-``--speculative-config '{"method": "recap"}'``, one without speculation. Traffic runs on one
+``--speculative-config '{"method": "recap"}'``, one without speculation, both with glibc's
+malloc thresholds pinned (``server_env``: freed large buffers leave RSS, so idle RSS measures
+what is held, not what the allocator kept). Traffic runs on one
 server at a time, so each has the whole machine: every request on the RECAP server, then every
 request on the reference (the same traffic makes its memory a control for RECAP's). Both get
 the same rounds (bursts); after each round the soak waits until the server is idle, then reads
@@ -352,6 +354,14 @@ def server_env() -> dict[str, str]:
         if m:
             env[m.group(1)] = m.group(2)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # Fixed glibc thresholds, so a freed large buffer leaves RSS: by default freeing an mmapped
+    # buffer raises the mmap threshold to its size, later buffers of that size come from the
+    # heap and stay resident once freed, and idle RSS moves in steps of the largest transient
+    # tensors (~20-28 MiB here) by which round first had one (+80 MiB over two rounds on a CI
+    # machine, same code green before). Pinned, 12 rounds grow smoothly (~3-5 MiB a round for
+    # both servers), so a leak shows. A caller's own setting wins.
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        env.setdefault(name, str(128 * 1024))
     return env
 
 
@@ -678,7 +688,8 @@ def checks(cfg: SoakConfig, recap: dict, ref: dict, comparison: dict) -> list[di
           f"{last['round'] + 1}: {growth:+.1f} MiB net of unigram tables; reference "
           f"{ref_base['idle_rss_mib']:.0f} -> {ref_last['idle_rss_mib']:.0f} MiB: "
           f"{ref_growth:+.1f} MiB; excess {excess:+.1f} MiB (tolerance "
-          f"{cfg.rss_tolerance_mib:.0f})")
+          f"{cfg.rss_tolerance_mib:.0f}); idle RSS per round (MiB), RECAP "
+          f"{_per_round(recap)}, reference {_per_round(ref)}")
     drafts = recap["spec_decode"].get("spec_decode_num_drafts", 0)
     check("RECAP drafted", drafts > 0, f"spec_decode_num_drafts {drafts:.0f}")
     return out
