@@ -47,10 +47,6 @@ class _CostTable:
         self._curves: dict[int, tuple[list[float], list[float]]] = {}
         self._slopes: dict[int, float | None] = {}
         self._orders: dict[int, list[int]] = {}
-        # (context bucket, size) -> estimate, kept until the next observation too: each
-        # step observes one of a model's three tables, so the others' estimates carry over
-        # to the next step's choice (most of the controller's time was re-deriving them)
-        self._estimates: dict[tuple[int, int], float | None] = {}
 
     def observe(self, key: tuple[int, int], seconds: float, step: int, ema: float,
                 stale: bool, clamped: bool) -> None:
@@ -63,7 +59,6 @@ class _CostTable:
         self._curves.clear()
         self._slopes.clear()
         self._orders.clear()
-        self._estimates.clear()
 
     def buckets_by_distance(self, ctx: int) -> list[int]:
         """Measured context buckets, nearest to ``ctx`` first (the larger on a tie)."""
@@ -122,14 +117,6 @@ class _CostTable:
         flat beyond 16, the first drafts of every size looked free and cost 25-80% more
         than estimated.
         """
-        key = (ctx, size)
-        if key in self._estimates:
-            return self._estimates[key]
-        value = self._estimate(ctx, size)
-        self._estimates[key] = value
-        return value
-
-    def _estimate(self, ctx: int, size: int) -> float | None:
         order = self.buckets_by_distance(ctx)
         if not order:
             return None
