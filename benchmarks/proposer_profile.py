@@ -1,4 +1,5 @@
-"""RECAP's own work per engine step, split by function, on Spec-Bench prompts at batch 1.
+"""RECAP's own work per engine step, split by function, on Spec-Bench prompts (batch 1, or
+``--concurrency C`` prompts per call).
 
     python -m benchmarks.proposer_profile                       # default tree, 13 prompts x 64
     python -m benchmarks.proposer_profile --spec '{"method": "recap", "budget_policy": "fixed",
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="smollm2 | gemma3 (the embedded models) | a local HF folder")
     ap.add_argument("--prompts", type=int, default=13, help="Spec-Bench prompts, one per category")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="prompts per generate call (default 1: batch 1)")
     ap.add_argument("--sampling", default="greedy", help="a setting of benchmarks/sampling.py")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--again", action="store_true",
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None,
                     help="also write the figures to this JSON file (what is printed, as numbers)")
     args = ap.parse_args(argv)
+    if args.concurrency < 1:
+        ap.error(f"--concurrency must be at least 1, got {args.concurrency}")
 
     import numpy as np
     from vllm import LLM, TokensPrompt
@@ -100,8 +105,9 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLM(**engine_kwargs(resolve_model(args.model), dtype=args.dtype,
                               speculative_config=json.loads(args.spec)))
-    prompts = [TokensPrompt(prompt_token_ids=p.token_ids)
-               for p in spec_bench_prompts(llm.get_tokenizer(), 1)[:args.prompts]]
+    per_category = -(-args.prompts // 13)  # Spec-Bench has 13 categories
+    prompts = [TokensPrompt(prompt_token_ids=p.token_ids) for p in
+               spec_bench_prompts(llm.get_tokenizer(), per_category)[:args.prompts]]
     params = sampling_params(job_sampling(args.sampling, 0), args.max_new_tokens, True)
     proposer = model_runner(llm).drafter
     times = instrument(proposer.recap_hooks, args.again)
@@ -110,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     for v in times.values():
         v.clear()
     t0 = time.perf_counter()
-    for prompt in prompts:  # one at a time: batch 1
-        llm.generate([prompt], params, use_tqdm=False)
+    for start in range(0, len(prompts), args.concurrency):  # default: batch 1
+        llm.generate(prompts[start:start + args.concurrency], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     steps = np.asarray(proposer.step_seconds) * 1e3
     isa = ", ".join(f for f in cpu_flags() if f.startswith("avx"))
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                      "mean_ms": float(np.mean(v) * 1e3), "total_ms": float(np.sum(v) * 1e3)}
               for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])) if v}
     print(f"{machine}, {args.model}, dtype {args.dtype}, sampling {args.sampling}, "
-          f"spec {args.spec}")
+          f"spec {args.spec}, concurrency {args.concurrency}")
     print(f"wall {wall:.1f} s, {len(steps)} steps; RECAP work per step: p50 "
           f"{work['p50']:.3f} ms, mean {work['mean']:.3f} ms, p99 {work['p99']:.3f} ms")
     for name, p in pieces.items():
@@ -136,8 +142,9 @@ def main(argv: list[str] | None = None) -> None:
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine, "model": args.model,
             "dtype": args.dtype,
             "sampling": args.sampling, "spec": json.loads(args.spec), "prompts": len(prompts),
-            "max_new_tokens": args.max_new_tokens, "vllm_recap": str(Path(
-                vllm_recap.__file__).parent), "wall_s": wall, "steps": len(steps),
+            "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
+            "vllm_recap": str(Path(vllm_recap.__file__).parent), "wall_s": wall,
+            "steps": len(steps),
             "work_ms": work, "pieces": pieces}, indent=1))
     shutdown_llm(llm)
     sys.stdout.flush()

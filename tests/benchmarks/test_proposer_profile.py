@@ -11,7 +11,7 @@ pytestmark = pytest.mark.engine
 
 
 def test_profile_prints_step_work_and_the_timed_pieces(capsys, tmp_path):
-    proposer_profile.main(["--prompts", "2", "--max-new-tokens", "8",
+    proposer_profile.main(["--prompts", "2", "--max-new-tokens", "8", "--concurrency", "2",
                            "--out", str(tmp_path / "profile.json")])
     out = capsys.readouterr().out
     assert "RECAP work per step: p50" in out
@@ -22,6 +22,9 @@ def test_profile_prints_step_work_and_the_timed_pieces(capsys, tmp_path):
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["steps"] > 0 and saved["work_ms"]["p50"] > 0 and saved["model"] == "smollm2"
     assert saved["pieces"]["_advance"]["calls"] > 0
+    # both prompts ran in one batch: a decode step advances two requests
+    assert saved["concurrency"] == 2
+    assert saved["pieces"]["_advance"]["calls"] > 1.5 * saved["steps"] - 4
 
 
 def test_again_times_the_pure_pieces_a_second_time(capsys):
