@@ -115,9 +115,12 @@ _ALL: list[Method] = [
            "Token Recycling as in its paper: full 80-node template, always verified"),
     *[Method(f"recap-tree-b{b}", _fixed(b), f"RECAP tree, fixed budget of {b} nodes")
       for b in (4, 8, 16, 32)],
-    # The best chain of the same fixed-budget tree: tree verification's own gain at one budget.
+    # The best chain of the same fixed-budget tree: tree verification's own gain at one budget
+    # (8, 16); and the first one or two nodes of the best chain, continuations included,
+    # drafted every step (1, 2): what short drafts return under load against the adaptive
+    # budget, which declines or idles in most steps at concurrency 4.
     *[Method(f"recap-chain-b{b}", _fixed(b, draft_mode="chain"),
-             f"RECAP single path, the best chain of a fixed {b}-node tree") for b in (8, 16)],
+             f"RECAP single path, the best chain of a fixed {b}-node tree") for b in (1, 2, 8, 16)],
     # Short fixed chains from the memories alone (no continuations), drafted every step: the
     # precision of RECAP's first one or two nodes under load, next to suffix decoding's.
     *[Method(f"recap-chain-m{b}", _fixed(b, draft_mode="chain", suffix_len=0),
