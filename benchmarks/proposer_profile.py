@@ -6,6 +6,7 @@
         "node_budget": 8}' --prompts 8                           # same steps for two codes
     python -m benchmarks.proposer_profile --sampling qwen_text
     python -m benchmarks.proposer_profile --model gemma3          # 262k vocabulary
+    python -m benchmarks.proposer_profile --prompts 26 --concurrency 4   # under load
 
 Prints the p50 / mean / p99 of ``RecapProposer.step_seconds`` (what ``benchmarks.run`` reports
 as proposer cost) and, per timed driver function, its p50 / mean / total. The timers add ~1 us
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", default='{"method": "recap"}', help="speculative_config (JSON)")
     ap.add_argument("--model", default="smollm2",
                     help="smollm2 | gemma3 (the embedded models) | a local HF folder")
-    ap.add_argument("--prompts", type=int, default=13, help="Spec-Bench prompts, one per category")
+    ap.add_argument("--prompts", type=int, default=13,
+                    help="Spec-Bench prompts: the first N of ceil(N / 13) per category, in the "
+                         "file's category order (13: one per category, 26: two)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=1,
                     help="prompts per generate call (default 1: batch 1)")
