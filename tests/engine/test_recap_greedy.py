@@ -51,6 +51,22 @@ def test_tiny_qwen2_identical(tiny_qwen2, tiny_prompts, tiny_reference, mode):
         assert (trees > 0) if mode == "tree" else (trees == 0)
 
 
+def test_a_draining_batch_proposes_for_its_longest_request_only(tiny_qwen2, tiny_prompts):
+    """Requests of one length with different ``max_tokens``: once the shortest is done the
+    batch drains, and only the request with the most tokens left (read from its sampling
+    parameters in vLLM's runner) is proposed; outputs stay identical."""
+    n = min(len(p) for p in tiny_prompts)
+    prompts = [p[:n] for p in tiny_prompts]
+    params = [_params(8), _params(48), _params(24)]
+    with make_llm(tiny_qwen2) as llm:
+        reference = generate_ids(llm, prompts, params)
+    with make_llm(tiny_qwen2, speculative_config=SPECS["adaptive"]) as llm:
+        assert generate_ids(llm, prompts, params) == reference
+        stats = recap_proposer(llm).stats
+    assert stats["drain_steps"] > 0, stats
+    assert stats["drain_longest"] < stats["drain_decoding"], stats
+
+
 def test_tree_with_accepted_off_chain_branches_compacts_kv(tiny_qwen2, tiny_prompts,
                                                            tiny_reference, monkeypatch):
     """Oracle drafts put the true path behind decoy siblings: KV compaction must run and the

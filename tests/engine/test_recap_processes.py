@@ -142,7 +142,8 @@ REFS = os.environ.get("TP2_REFS")
 if REFS:  # module level: vLLM spawns its workers, which import this module again
     refs = json.loads(open(REFS).read())
 
-    def rank_choice(self, trees, prefill_tokens, kinds=None, context=0, chains=False):
+    def rank_choice(self, trees, prefill_tokens, kinds=None, context=0, chains=False,
+                    drain=None):
         import torch.distributed as dist
         rank = dist.get_rank()
         b = 9 if rank == 0 else 3  # rank 1 records fewer nodes than scheduled,
