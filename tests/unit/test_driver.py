@@ -507,13 +507,28 @@ def test_a_draining_batch_drafts_only_for_the_request_the_run_waits_for():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)
     driver = engine.drivers[0]
-    calls = []
+    calls, runners = [], []
     choose = _choosing(driver.budget, 3, False)
+    propose = driver.propose
+
+    def seeing(runner, so, sampled, hidden):
+        runners[:] = [(runner, sampled)]
+        return propose(runner, so, sampled, hidden)
 
     def recording(trees, fixed, kinds=None, context=0, chains=False, drain=None):
         calls.append((len(trees), fixed, drain))
+        if drain is not None:
+            # priced in the step's context as the clock measures it: every decoding
+            # request's, not only the proposed ones' (a context no step was measured in)
+            runner, sampled = runners[0]
+            batch = runner.input_batch
+            n = batch.num_tokens_no_spec.tolist()
+            decoding = [n[i] for i, (rid, s) in enumerate(zip(batch.req_ids, sampled))
+                        if s and n[i] - len(PROMPTS[rid]) < lengths[rid]]
+            assert context == pytest.approx(sum(decoding) / len(decoding))
         return choose(trees, fixed, kinds, context, chains)
 
+    driver.propose = seeing
     driver.budget.choose = recording
     lengths = {"a": 60, "b": 12, "c": 30}
     for rid, prompt in PROMPTS.items():

@@ -440,8 +440,11 @@ class StepDriver:
             # builds a tree of 8, and Spec-Bench ran 1.35x against the fixed budget's 1.51x).
             trees = {i: tree.best_first() for i, tree in trees.items()}
             kinds = [self._kind(runner, ctx.plan.req_ids[i]) for i in trees]
+            # The step's context, as the clock keys the costs it measures: every decoding
+            # request's (a draining batch proposes the longest requests only, and their
+            # context alone was a bucket no step measured, so the budget never drafted).
             lengths = runner.input_batch.num_tokens_no_spec.tolist()  # plain Python: a
-            context = sum(lengths[i] for i in trees) / len(trees)   # numpy call ~15 us here
+            context = sum(lengths[i] for i in decoding) / len(decoding)  # numpy call ~15 us
             # The step's draft nodes go to the requests whose nodes are likeliest accepted,
             # and each size is priced as trees and as the trees' best chains: a chain skips
             # the tree attention path and acceptance, and on a 2-core CPU the off-chain nodes
