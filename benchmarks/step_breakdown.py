@@ -79,6 +79,15 @@ def phase_seconds(steps: list[dict]) -> tuple[float, float]:
     return arrival, sum(sec for _, sec in timed) - arrival
 
 
+def drain_seconds(steps: list[dict]) -> float:
+    """Seconds of one run after its last arrival step: the drain, where nobody takes a
+    finished request's place and the run lasts as long as its longest request (the phase
+    RECAP's budget prices by the steps drafts take off that request)."""
+    timed = walls(steps)
+    last = max((i for i, (s, _) in enumerate(timed) if kind(s) == "arrival"), default=-1)
+    return sum(sec for _, sec in timed[last + 1:])
+
+
 def decode_ratios(runs: list[dict], name: str, baseline: str = "none") -> list[float]:
     """Per round, the baseline's decode-phase seconds over the engine's (rounds where both
     recorded steps). Every engine decodes the same tokens and prefills the same prompts, so
@@ -126,6 +135,7 @@ def breakdown(runs: list[dict], names: list[str]) -> list[dict]:
                      "decode_ratio": [round(x, 3) for x in decode_ratios(runs, name)],
                      "arrival_s": [round(p["arrival"]["seconds"] if "arrival" in p else 0.0, 3)
                                    for p in per_run],
+                     "drain_s": [round(drain_seconds(r["steps"]), 3) for r in mine],
                      "drafting": drafting([r.get("drafting") for r in mine])})
     return rows
 
@@ -168,15 +178,17 @@ def markdown(rows: list[dict]) -> str:
                          f"(median {statistics.median(ratios):.2f}) |")
     lines += ["", "Decode phase (every step but arrivals): `none`'s seconds over the engine's, "
               "per round -- the speed ratio without the prefill bursts, whose wall time varies "
-              "most (see `decode_ratios`); and each run's arrival-step seconds.", "",
-              "| engine | decode-phase ratio per round | arrival seconds per run |",
-              "|---|---|---|"]
+              "most (see `decode_ratios`); each run's arrival-step seconds; and each run's "
+              "drain seconds (after its last arrival, see `drain_seconds`).", "",
+              "| engine | decode-phase ratio per round | arrival seconds per run | "
+              "drain seconds per run |", "|---|---|---|---|"]
     for row in rows:
         ratios = row.get("decode_ratio") or []
         shown = (f"{', '.join(f'{r:.2f}' for r in ratios)} "
                  f"(median {statistics.median(ratios):.2f})") if ratios else "-"
         lines.append(f"| {row['engine']} | {shown} | "
-                     f"{', '.join(f'{a:.2f}' for a in row.get('arrival_s', []))} |")
+                     f"{', '.join(f'{a:.2f}' for a in row.get('arrival_s', []))} | "
+                     f"{', '.join(f'{a:.2f}' for a in row.get('drain_s', []))} |")
     lines += ["", "vLLM's speculative counters over the timed runs (a request's drafts in one "
               "step count as one draft):", "",
               "| engine | draft tokens per run | accepted per draft token | "

@@ -63,6 +63,13 @@ def test_engines_without_recap_records_have_decode_steps_and_no_token_counts():
     assert kinds["decode"]["steps"] == 2 and kinds["decode"]["committed"] is None
 
 
+def test_drain_seconds_count_the_steps_after_the_last_arrival():
+    assert sb.drain_seconds(_recap_run()) == pytest.approx(0.16)
+    late = _recap_run()
+    late[3]["arrivals"] = 1  # a request arrives in the fourth step: three steps drain
+    assert sb.drain_seconds(late) == pytest.approx(0.05)
+
+
 def test_breakdown_and_markdown():
     runs = [{"engine": "recap-tree", "round": r, "wall_s": 0.26, "steps": _recap_run(),
              "drafting": {"drafts": 4, "draft_tokens": 10, "accepted_tokens": 3 + r}}
@@ -78,6 +85,7 @@ def test_breakdown_and_markdown():
     assert drafted["tokens_per_step"] == pytest.approx(5.0)
     assert drafted["ms_per_step"] == pytest.approx(40.0)
     assert row["drafted_over_idle"] == [1.25, 1.25]
+    assert row["drain_s"] == [0.16, 0.16]
     text = sb.markdown(rows)
     assert "| recap-tree | drafted | 2 | 31% | 40.0 | 5.00 |" in text
     assert "1.25, 1.25 (median 1.25)" in text
