@@ -257,9 +257,10 @@ class StepDriver:
         ``IDLE_BELOW_DRAFTING``, declines are the gaps between drafted stretches, not load.
         At concurrency 4 on an Intel Xeon (bf16 SmolLM2, 26 prompts x 64 tokens) the driver
         idled 62-103 steps a run through such gaps, the last request of the run alone
-        included, and ran 1.12-1.20x of plain decoding, against 1.19-1.28x with the share
-        (idle 11 steps a run); at concurrency 16, where drafting never pays, the share stays
-        near 0 and the driver idles as before (0.95-0.99x against 0.94-0.98x).
+        included; with the share it idled 11-15 and ran +0.03 of plain decoding's speed on
+        average over 7 paired rounds in two runs (1.24x against 1.18x, then 1.16x against
+        1.16x), +0.04 at concurrency 8; at 16, where drafting never pays, the share stays
+        near 0 and the driver idles as before (0.96-0.97x against 0.95-1.00x).
 
         Every input is the same on every tensor-parallel rank: the proposals are the full
         trees every rank builds, and drafts count as scheduled (rank 0's choice). Idle steps'
