@@ -48,6 +48,11 @@ def cpu_flags() -> list[str]:
     return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
 
 
+def cpu_line() -> str:
+    """The CPU's model and AVX flags in one line, as the profiling scripts print it."""
+    return f"{cpu_model()} ({', '.join(f for f in cpu_flags() if f.startswith('avx'))})"
+
+
 def library_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in LIBRARIES:

@@ -100,17 +100,16 @@ def main(argv: list[str] | None = None) -> None:
     from vllm import LLM, TokensPrompt
 
     from benchmarks.harness import model_runner
-    from benchmarks.machine import cpu_flags, cpu_model
+    from benchmarks.machine import cpu_line
     from benchmarks.sampling import job_sampling, sampling_params
-    from benchmarks.workloads import spec_bench_prompts
+    from benchmarks.workloads import first_spec_bench_prompts
     from vllm_recap.models import resolve_model
     from vllm_recap.models.engine import engine_kwargs, shutdown_llm
 
     llm = LLM(**engine_kwargs(resolve_model(args.model), dtype=args.dtype,
                               speculative_config=json.loads(args.spec)))
-    per_category = -(-args.prompts // 13)  # Spec-Bench has 13 categories
     prompts = [TokensPrompt(prompt_token_ids=p.token_ids) for p in
-               spec_bench_prompts(llm.get_tokenizer(), per_category)[:args.prompts]]
+               first_spec_bench_prompts(llm.get_tokenizer(), args.prompts)]
     params = sampling_params(job_sampling(args.sampling, 0), args.max_new_tokens, True)
     proposer = model_runner(llm).drafter
     times = instrument(proposer.recap_hooks, args.again)
@@ -123,8 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate(prompts[start:start + args.concurrency], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     steps = np.asarray(proposer.step_seconds) * 1e3
-    isa = ", ".join(f for f in cpu_flags() if f.startswith("avx"))
-    machine = f"{cpu_model()} ({isa})"
+    machine = cpu_line()
     work = {q: float(f(steps)) for q, f in (("p50", np.median), ("mean", np.mean),
                                              ("p99", lambda a: np.percentile(a, 99)))}
     pieces = {name: {"calls": len(v), "p50_ms": float(np.median(v) * 1e3),

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="smollm2",
                     help="smollm2 | gemma3 (the embedded models) | a local HF folder")
     ap.add_argument("--prompts", type=int, default=26,
-                    help="Spec-Bench prompts: the first N of ceil(N / 13) per category")
+                    help="Spec-Bench prompts (benchmarks.workloads.first_spec_bench_prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4, help="max_num_seqs")
     ap.add_argument("--depth", type=int, default=2, help="chain nodes replayed")
@@ -158,17 +158,16 @@ def main(argv: list[str] | None = None) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from benchmarks.harness import model_runner
-    from benchmarks.machine import cpu_flags, cpu_model
-    from benchmarks.workloads import spec_bench_prompts
+    from benchmarks.machine import cpu_line
+    from benchmarks.workloads import first_spec_bench_prompts
     from vllm_recap.models import resolve_model
     from vllm_recap.models.engine import engine_kwargs, shutdown_llm
 
     llm = LLM(**engine_kwargs(resolve_model(args.model), dtype=args.dtype,
                               speculative_config=json.loads(args.spec),
                               max_num_seqs=args.concurrency))
-    per_category = -(-args.prompts // 13)  # Spec-Bench has 13 categories
     prompts = [TokensPrompt(prompt_token_ids=p.token_ids) for p in
-               spec_bench_prompts(llm.get_tokenizer(), per_category)[:args.prompts]]
+               first_spec_bench_prompts(llm.get_tokenizer(), args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up (not recorded)
     proposals = record(model_runner(llm).drafter.recap_hooks, args.depth)
@@ -177,11 +176,10 @@ def main(argv: list[str] | None = None) -> dict:
     wall = time.perf_counter() - t0
     # the engine's request ids carry a suffix after the one ``generate`` returns
     by_id = {o.request_id: [*o.prompt_token_ids, *o.outputs[0].token_ids] for o in outs}
-    outputs = {p.request: by_id[p.request.rsplit("-", 1)[0]] for p in proposals
-               if p.request.rsplit("-", 1)[0] in by_id}
+    outputs = {r: by_id[base] for r in {p.request for p in proposals}
+               if (base := r.rsplit("-", 1)[0]) in by_id}
     groups = replay(proposals, outputs, args.concurrency, args.depth)
-    isa = ", ".join(f for f in cpu_flags() if f.startswith("avx"))
-    result = {"machine": f"{cpu_model()} ({isa})", "model": args.model, "dtype": args.dtype,
+    result = {"machine": cpu_line(), "model": args.model, "dtype": args.dtype,
               "spec": json.loads(args.spec), "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
               "depth": args.depth, "wall_s": wall, "proposals": len(proposals),

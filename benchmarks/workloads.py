@@ -90,6 +90,12 @@ def spec_bench_prompts(tokenizer, per_category: int, categories: list[str] | Non
     return out
 
 
+def first_spec_bench_prompts(tokenizer, n: int) -> list[Prompt]:
+    """The first ``n`` Spec-Bench prompts of ``ceil(n / 13)`` per category, in the file's
+    category order (13: one per category, 26: two)."""
+    return spec_bench_prompts(tokenizer, -(-n // 13))[:n]  # Spec-Bench has 13 categories
+
+
 def two_turn_conversations(tokenizer, per_category: int, categories: list[str] | None = None,
                            path: str | Path = SPEC_BENCH) -> list[dict]:
     """Spec-Bench rows with two turns (MT-bench), first ``per_category`` of each category.
