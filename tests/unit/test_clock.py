@@ -52,3 +52,21 @@ def test_the_first_drafted_step_of_each_shape_is_not_reported():
     assert _run_step(clock, StepTiming(), tokens=9, drafts=8, tree=True) is None  # 1st chain
     assert _run_step(clock, StepTiming(), tokens=1)[-1] is True  # a second 9-token tree step
     assert _run_step(clock, StepTiming(), tokens=1)[0] == 1
+
+
+def test_lm_head_times_estimate_a_call_from_the_row_counts_measured_around_it():
+    """What a step's own rows alone would have cost its LM-head call (the rest of a call that
+    carried prompt rows is the rows' share): interpolated between measured row counts, the
+    largest one below beyond them, unknown below the smallest."""
+    from vllm_recap.vllm.clock import LmHeadTimes
+
+    times = LmHeadTimes(decay=0.5)
+    assert times.estimate(8) is None  # nothing measured: the share cannot be told
+    times.observe(4, 0.010)
+    assert times.estimate(3) is None and times.estimate(9) == pytest.approx(0.010)
+    times.observe(12, 0.030)
+    assert times.estimate(4) == pytest.approx(0.010)
+    assert times.estimate(8) == pytest.approx(0.020)
+    assert times.estimate(64) == pytest.approx(0.030)
+    times.observe(4, 0.020)  # a moving mean per row count
+    assert times.estimate(4) == pytest.approx(0.015)

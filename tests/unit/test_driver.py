@@ -571,3 +571,64 @@ def test_a_draining_batch_drafts_only_for_the_request_the_run_waits_for():
     assert all(n == 1 for n, _, _ in draining)
     assert any(fixed == 1 and 0 < drain.slack <= 30 for _, fixed, drain in draining)
     assert driver.stats["drain_longest"] < driver.stats["drain_decoding"]
+
+
+def test_steps_carrying_prompt_rows_are_still_priced_without_them():
+    """Prompt rows ride along with a step's own LM-head call, and the rows' share of that call
+    is taken out of the step's cost where a call of the step's own rows was timed. Such steps
+    were skipped as cost samples: at concurrency 8 a burst of arrivals seeds for 10-15 steps,
+    the budget could not price plain decoding for the new batch size all that while, declined
+    every draft, and the idle mode took the declines for load (every run idled right after
+    its first arrivals; Intel Xeon, bf16 SmolLM2)."""
+    import time
+
+    from vllm_recap.vllm.seeding import PromptSeeder
+
+    engine = _engine(chunk=64)  # rows ride along with the step's own LM-head call
+    driver = engine.drivers[0]
+    driver.seeder = PromptSeeder(32, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=4)
+    driver._node_budget = lambda num_decoding: 0  # no drafts: every step is a plain one
+    lm_head = driver.compute_logits
+    per_row = 0.004
+
+    def slow_lm_head(hidden):  # an LM head whose cost grows with its rows, as on a CPU
+        time.sleep(per_row * hidden.shape[0])
+        return lm_head(hidden)
+
+    driver.compute_logits = slow_lm_head
+    started, finished = driver.clock.step_started, driver.clock.step_finished
+    steps = []  # per step: [rows rode along, drafts verified, sample reported at its end]
+    fused = [0]
+
+    def step_started(num_tokens, context, drafts=0, tree=False):
+        sample = started(num_tokens, context, drafts, tree)
+        if steps:
+            steps[-1][2] = sample
+        steps.append([False, drafts, None])
+        return sample
+
+    def step_finished(timing):
+        steps[-1][0] = driver.seeder.fused_rows > fused[0]
+        fused[0] = driver.seeder.fused_rows
+        finished(timing)
+
+    driver.clock.step_started, driver.clock.step_finished = step_started, step_finished
+    engine.add("a", PROMPTS["a"], 24)
+    for _ in range(8):  # a's rows are seeded, then its own rows run alone
+        engine.step()
+    engine.add("b", PROMPTS["b"], 24)  # arrivals: rows ride along again
+    engine.add("c", PROMPTS["c"], 24)
+    out = engine.run()
+    assert out == _reference(engine.target, 24)
+    assert all(s[1] == 0 for s in steps)
+    # every step that carried prompt rows after the first call of a step's own rows alone
+    # (the rows' share cannot be told before) is a cost sample
+    first_own = next(i for i, s in enumerate(steps) if not s[0])
+    carried = [s for s in steps[first_own + 1:-1] if s[0]]
+    plain = [s for s in steps[first_own + 1:-1] if not s[0] and s[2]]
+    assert len(carried) >= 3 and plain
+    assert all(s[2] is not None for s in carried)
+    # ... priced without the rows: a carried step's 4 rows cost 16 ms more in the LM head
+    by_tokens = {s[2][0]: s[2][1] for s in plain}
+    gaps = [s[2][1] - by_tokens[s[2][0]] for s in carried if s[2][0] in by_tokens]
+    assert gaps and max(gaps) < 2 * per_row

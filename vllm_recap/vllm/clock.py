@@ -5,8 +5,8 @@ runner seams see the start of each step (``begin_step``); a step's duration is t
 the next step's start, unless the engine sat idle in between (then it is unknown and
 skipped). Prompt seeding runs in some steps only and does not depend on the draft count, so
 its time is taken out: otherwise the size measured in a seeding step looks dear for long. A
-step whose prompt rows rode along with its own LM-head call is skipped too (their share of
-that call cannot be timed apart).
+step whose prompt rows rode along with its own LM-head call has the rows' share of that call
+taken out as well (:class:`LmHeadTimes`), or is skipped where that share cannot be told.
 """
 from __future__ import annotations
 
@@ -79,3 +79,47 @@ class StepClock:
         self._shared = timing.shared_lm_head
         self._work = max(0.0, timing.work - timing.seeding)
         self.work_seconds.append(timing.work)
+
+
+class LmHeadTimes:
+    """Seconds of the target's own LM-head calls by row count, to tell the share of prompt
+    rows that rode along with a step's call (``StepDriver._logits``).
+
+    The rows' share of such a call is its time less what a call of the step's own rows
+    alone takes: interpolated between the row counts measured next below and above it, or
+    the one below when none above was measured (a call is not cheaper for more rows, so this
+    errs towards taking out too much: the step then counts at most what it would have cost
+    without the rows, and plain decoding, if anything, looks a little cheap -- never
+    drafting). Host-side timing, so CPU calls only: on a device the call returns before its
+    kernels have run.
+
+    Why it matters: on a CPU every step of a burst of arrivals carries prompt rows (at
+    concurrency 8, 16 rows a step for 10-15 steps), and with those steps unmeasured the budget
+    could not price plain decoding for the batch's size, declined every draft, and the idle
+    mode took those declines for load: every concurrency-8 run (Intel Xeon, bf16 SmolLM2)
+    idled right after its first arrivals, and some never drafted again.
+
+    Args:
+        decay: weight of the old mean per new call of the same row count.
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self._mean: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """One call of ``rows`` rows without prompt rows."""
+        old = self._mean.get(rows)
+        self._mean[rows] = seconds if old is None else old + (1.0 - self.decay) * (seconds - old)
+
+    def estimate(self, rows: int) -> float | None:
+        """Seconds of a call of ``rows`` rows (see the class docstring); None before any call
+        of at most that many rows was measured."""
+        below = max((r for r in self._mean if r <= rows), default=None)
+        if below is None:
+            return None
+        above = min((r for r in self._mean if r >= rows), default=None)
+        lo = self._mean[below]
+        if above is None or above == below:
+            return lo
+        return lo + (self._mean[above] - lo) * (rows - below) / (above - below)

@@ -150,8 +150,10 @@ class StepTiming:
         work: layout, rows, acceptance, memory updates and drafting.
         seeding: the part of ``work`` spent on prompt rows (excluded from the budget's step
             cost: it happens in some steps only and does not depend on the draft count).
-        shared_lm_head: prompt rows rode along with the step's own LM-head call, whose time
-            is vLLM's and cannot be split: the step is no clean cost sample.
+        shared_lm_head: prompt rows rode along with the step's own LM-head call and their
+            share of its time could not be told (no call of the step's own rows measured
+            yet, or a device): the step is no clean cost sample. Where it could, that share
+            is counted in ``seeding`` instead.
     """
 
     work: float = 0.0

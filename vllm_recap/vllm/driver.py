@@ -27,7 +27,7 @@ from vllm_recap.core.config import BudgetPolicy, RecapConfig
 from vllm_recap.core.drafter import Drafter
 from vllm_recap.core.tree import DraftTree
 from vllm_recap.patches.runner import verify_runner
-from vllm_recap.vllm.clock import StepClock
+from vllm_recap.vllm.clock import LmHeadTimes, StepClock
 from vllm_recap.vllm.context import StepContext, StepRows, StepScope
 from vllm_recap.vllm.drain import DrainWatch, longest_requests, remaining_tokens
 from vllm_recap.vllm.eligibility import SamplingFacts, surely_finished
@@ -153,6 +153,7 @@ class StepDriver:
         self.scope = StepScope()
         self.records = RequestBook(drafter)
         self.clock = StepClock()
+        self.lm_head = LmHeadTimes()
         self.seeder = PromptSeeder(config.prompt_seed_rows, config.top_k, settings.blocked,
                                    settings.seed_rows_per_step)
         self.budget = BudgetController(settings.num_spec_tokens, config.depth_discounts)
@@ -677,19 +678,34 @@ class StepDriver:
         split off for :meth:`_seed_prompts`."""
         ctx = self.scope.current
         step = ctx.seeding if ctx is not None else None
+        n = hidden_states.shape[0]
+        timed = ctx is not None and hidden_states.device.type == "cpu"
         if (step is None or step.logits is not None or step.num_rows == 0
-                or hidden_states.shape[0] != int(ctx.plan.logits_starts[-1])):
-            return self.compute_logits(hidden_states)
+                or n != int(ctx.plan.logits_starts[-1])):
+            return self._own_logits(hidden_states, timed)
         t0 = time.perf_counter()
         extra = self.seeder.fused_inputs(step, ctx.plan)
         if extra is None:
-            return self.compute_logits(hidden_states)
-        n = hidden_states.shape[0]
+            return self._own_logits(hidden_states, timed)
         joined = torch.cat([hidden_states, extra.to(hidden_states.dtype)])
-        spent = time.perf_counter() - t0  # the rows' share of the shared call is vLLM's time
+        t1 = time.perf_counter()
+        logits = self.compute_logits(joined)
+        t2 = time.perf_counter()
+        # The rows' share of the call, where a call of the step's own rows was measured: the
+        # step is then still a cost sample for the budget (see LmHeadTimes).
+        own = self.lm_head.estimate(n) if timed else None
+        spent = (t1 - t0) + (max(0.0, t2 - t1 - own) if own is not None else 0.0)
         ctx.timing.seeding += spent
         ctx.timing.work += spent
-        ctx.timing.shared_lm_head = True
-        logits = self.compute_logits(joined)
+        ctx.timing.shared_lm_head = own is None
         step.logits = logits[n:]
         return logits[:n]
+
+    def _own_logits(self, hidden_states: torch.Tensor, timed: bool) -> torch.Tensor:
+        """The target's ``compute_logits`` of the step's own rows (timed: see LmHeadTimes)."""
+        if not timed:
+            return self.compute_logits(hidden_states)
+        t0 = time.perf_counter()
+        logits = self.compute_logits(hidden_states)
+        self.lm_head.observe(hidden_states.shape[0], time.perf_counter() - t0)
+        return logits
