@@ -125,6 +125,22 @@ def test_no_measurement_yet_means_plain_decoding():
     assert ctl.choose([chain_tree(16, 0.9)], fixed_tokens=0) == 0
 
 
+def test_a_batch_size_between_two_measured_ones_is_priced_without_its_own_measurement():
+    """At concurrency 4 a step of 3 decodes follows a request's finish, and the step after it
+    runs its replacement's prefill chunk too: plain 3-token steps are never measured, and
+    requiring their own measurement declined every draft there (32 of ~300 proposing steps
+    in one run). Between two measured sizes the interpolated cost is a measured price."""
+    costs = {n: 0.020 + 0.0002 * n for n in (1, 4, 8, 12, 16, 20, 24, 32, 40, 48, 56)}
+    ctl = _controller_after(costs, accept=0.95)
+    trees = [chain_tree(16, 0.95)] * 3
+    assert not ctl.cost.measured(3)
+    assert ctl.choose(trees, fixed_tokens=0) > 0 and ctl.cost.priced(3)
+    # below the smallest or above the largest measured size it stays unpriced
+    assert not ctl.cost.priced(64) and not BudgetController(16, DISCOUNTS).cost.priced(3)
+    ctl.observe_step(4, 0.03, context=300)  # another context bucket: its own sizes count
+    assert not ctl.cost.priced(3, context=300)
+
+
 def test_larger_batches_get_smaller_budgets():
     costs = {n: 0.05 + 0.004 * n for n in range(1, 300)}
     ctl = _controller_after(costs, accept=0.8)

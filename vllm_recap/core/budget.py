@@ -373,7 +373,7 @@ class BudgetController:
             for level, tree, seconds, (cost_ratio, gain_ratio) in zip(
                     levels, trees_at, estimates, self.outcomes.ratio_list(levels, chain)):
                 tokens = base_tokens + level
-                if seconds is None or (level == 0 and not self.cost.measured(tokens, context)):
+                if seconds is None or (level == 0 and not self.cost.priced(tokens, context)):
                     self.last_choice, self.last_decision = 0, None  # plain decoding is
                     return 0                                        # measured first, always
                 rate = (served + worth[level] * gain_ratio) / (seconds * cost_ratio)

@@ -273,6 +273,22 @@ class StepCostModel:
         table, key = self._key(num_tokens, context, drafts, tree)
         return key in table.mean
 
+    def priced(self, num_tokens: int, context: float = 0) -> bool:
+        """True if a plain step of this size is measured in this context bucket, or lies
+        between two sizes measured there (its estimate is then interpolated, not
+        extrapolated).
+
+        A size that only occurs between a request's finish and its replacement's prefill
+        (3 decodes at concurrency 4) is never measured itself: the next step runs the new
+        request's prefill chunk too. Requiring its own measurement declined every draft at
+        that size -- 32 of ~300 proposing steps in a concurrency-4 run (Intel Xeon, bf16
+        SmolLM2) -- and the idle mode counted those declines as load."""
+        ctx, size = self.context_bucket(context), self.bucket(num_tokens)
+        if (ctx, size) in self.plain.mean:
+            return True
+        sizes = [n for c, n in self.plain.mean if c == ctx]
+        return any(n < size for n in sizes) and any(n > size for n in sizes)
+
     def is_clamped(self, num_tokens: int, context: float = 0, drafts: int = 0,
                    tree: bool = True) -> bool:
         """True if this size's own average is above its estimate (a larger size measured
