@@ -283,11 +283,9 @@ class StepCostModel:
         request's prefill chunk too. Requiring its own measurement declined every draft at
         that size -- 32 of ~300 proposing steps in a concurrency-4 run (Intel Xeon, bf16
         SmolLM2) -- and the idle mode counted those declines as load."""
-        ctx, size = self.context_bucket(context), self.bucket(num_tokens)
-        if (ctx, size) in self.plain.mean:
-            return True
-        sizes = [n for c, n in self.plain.mean if c == ctx]
-        return any(n < size for n in sizes) and any(n > size for n in sizes)
+        # the bucket's measured sizes, sorted and cached (the estimates just read them)
+        sizes = self.plain.curve(self.context_bucket(context))[0]
+        return bool(sizes) and sizes[0] <= self.bucket(num_tokens) <= sizes[-1]
 
     def is_clamped(self, num_tokens: int, context: float = 0, drafts: int = 0,
                    tree: bool = True) -> bool:
