@@ -141,6 +141,50 @@ def test_a_batch_size_between_two_measured_ones_is_priced_without_its_own_measur
     assert not ctl.cost.priced(3, context=300)
 
 
+def test_a_batch_whose_context_moves_to_the_next_bucket_is_priced_from_the_one_it_left():
+    """Under load the batch's mean context moves into another log2 bucket whenever a request
+    arrives, finishes or grows past a boundary. The sizes measured in the bucket it left were
+    not yet measured in the new one, and a drafting batch measures plain steps only when it
+    declines, so every crossing declined at least twice (20 of 267 proposing steps at
+    concurrency 4 with sizes between measured ones priced, Intel Xeon, bf16 SmolLM2). An
+    adjacent bucket measured on both sides of the size prices it (borrowed while the new
+    bucket has nothing, scaled from the new bucket's nearest size once it has some); a bucket
+    further away does not."""
+    costs = {n: 0.020 + 0.0002 * n for n in (1, 4, 8, 12, 16, 20, 24, 32, 40, 48, 56)}
+    ctl = BudgetController(16, DISCOUNTS)
+    for n, sec in costs.items():
+        ctl.observe_step(n, sec, context=300)  # bucket 8
+    tree = chain_tree(16, 0.95)
+    for _ in range(40):
+        ctl.calibration().observe(np.arange(17), tree.scores, np.arange(1, 17))
+    assert ctl.choose([tree] * 4, fixed_tokens=0, context=300) > 0
+    # the batch moves to bucket 9, nothing measured there yet: priced from bucket 8
+    assert ctl.cost.priced(4, context=700) and ctl.cost.estimate(4, 700) == costs[4]
+    assert ctl.choose([tree] * 4, fixed_tokens=0, context=700) > 0
+    # one size measured in bucket 9 (10% dearer); a request finishes: 3 decodes are priced
+    # at the new bucket's 4-token cost, shrunk as 3 tokens cost less than 4 in bucket 8
+    ctl.observe_step(4, 1.1 * costs[4], context=700)
+    assert ctl.cost.priced(3, context=700) and not ctl.cost.measured(3, context=700)
+    shrunk = np.interp(3, [1, 4], [costs[1], costs[4]]) / costs[4]
+    assert ctl.cost.estimate(3, 700) == pytest.approx(1.1 * costs[4] * shrunk)
+    assert ctl.choose([tree] * 3, fixed_tokens=0, context=700) > 0
+    # two buckets away (context 1500 -> bucket 11) plain decoding is measured first
+    assert not ctl.cost.priced(4, context=1500)
+    assert ctl.choose([tree] * 4, fixed_tokens=0, context=1500) == 0
+    # once bucket 11 has a size of its own, smaller ones take their shape from any decode
+    # bucket measured on both sides (here bucket 8): the level is this context's own
+    ctl.observe_step(4, 0.03, context=1500)
+    assert ctl.cost.priced(3, context=1500)
+    assert ctl.cost.estimate(3, 1500) == pytest.approx(0.03 * shrunk)
+    # a bucket whose only measurement is a step with a prefill chunk (46 tokens): its
+    # 4 decodes used to cost that whole step; with no shape measured anywhere they cost
+    # what they cost in the adjacent bucket
+    m = StepCostModel()
+    m.observe(4, 0.021, context=300)
+    m.observe(46, 0.050, context=700)
+    assert m.priced(4, context=700) and m.estimate(4, 700) == pytest.approx(0.021)
+
+
 def test_larger_batches_get_smaller_budgets():
     costs = {n: 0.05 + 0.004 * n for n in range(1, 300)}
     ctl = _controller_after(costs, accept=0.8)

@@ -115,26 +115,76 @@ class _CostTable:
         get tried and measured). The slope matters under load: at concurrency 16 (2-core
         CPU, bf16) a decode step ran ~1.4 ms more per token from 3 to 16 tokens, and priced
         flat beyond 16, the first drafts of every size looked free and cost 25-80% more
-        than estimated.
+        than estimated. Below the smallest measured size a whole step shrinks as it shrinks
+        in the nearest other bucket measured on both sides, else it costs what the smallest
+        does.
         """
+        return self.priced_estimate(ctx, size)[0]
+
+    def priced_estimate(self, ctx: int, size: int) -> tuple[float | None, bool]:
+        """(:meth:`estimate`, whether it is a *price*: interpolated, not extrapolated, and
+        anchored at this context).
+
+        Priced, in the order tried: between sizes this bucket measured; this bucket's nearest
+        measured size grown or shrunk as another decode bucket's cost changes between the
+        two sizes (the shape borrowed, the level this context's own); an adjacent bucket's
+        interpolated value where this bucket has nothing on that side (the nearest
+        context's level; with no data here at all, the nearest bucket's values are the
+        estimate, priced when it is adjacent). Not priced: anything extrapolated beyond
+        every measurement used, or levels from buckets further away (a step's cost there
+        is not this context's), or shapes from prefill-only steps (context bucket 0) for a
+        decode bucket."""
         order = self.buckets_by_distance(ctx)
         if not order:
-            return None
+            return None, False
+        own = order[0]  # this bucket, or the nearest with data when it has none
+        anchored = abs(own - ctx) <= 1
+        sizes, values = self.curve(own)
+        if sizes[0] <= size <= sizes[-1]:
+            return float(_interp(size, sizes, values)), anchored
+        scaled = self._scaled(order, size)
+        if (scaled is not None and scaled[1] is not None and anchored
+                and (scaled[1] > 0 or ctx == 0)):
+            return scaled[0], True
+        for near in order[1:]:
+            if abs(near - ctx) > 1:
+                break  # ordered by distance
+            n_sizes, n_values = self.curve(near)
+            if n_sizes[0] <= size <= n_sizes[-1]:
+                return float(_interp(size, n_sizes, n_values)), True
+        if scaled is not None:
+            return scaled[0], False
+        if size > sizes[-1]:
+            return self._extended(own, size), False
+        return float(values[0]), False
+
+    def _scaled(self, order: list[int], size: int) -> tuple[float, int | None] | None:
+        """``order[0]``'s nearest measured size to ``size`` (beyond its measured sizes),
+        grown or shrunk to ``size`` as the nearest other bucket that measured on both sides
+        of that size changes; (value, that bucket, None when ``size`` is beyond its
+        measurements too), None where no bucket did."""
         sizes, values = self.curve(order[0])
-        if size <= sizes[-1]:
-            return float(_interp(size, sizes, values))
-        top = sizes[-1]
+        up = size > sizes[-1]
+        edge = sizes[-1] if up else sizes[0]
         for other in order[1:]:
             o_sizes, o_values = self.curve(other)
-            # below its smallest size a curve is flat, so its growth from ``top`` means
-            # something only where it measured at or below ``top`` too
-            if o_sizes[0] <= top < o_sizes[-1]:
-                base = _interp(top, o_sizes, o_values)
+            # a curve is flat beyond its measured sizes, so its change from ``edge`` to
+            # ``size`` means something only where it measured at or beyond ``edge`` too
+            if up and o_sizes[0] <= edge < o_sizes[-1]:
+                base = _interp(edge, o_sizes, o_values)
                 grown = self._extended(other, size)
+                source = other if size <= o_sizes[-1] else None
                 if self.origin:
-                    return float(values[-1] + max(0.0, grown - base))
-                return float(values[-1] * max(1.0, grown / base)) if base > 0 else float(values[-1])
-        return self._extended(order[0], size)
+                    return float(values[-1] + max(0.0, grown - base)), source
+                if base <= 0:
+                    return float(values[-1]), None
+                return float(values[-1] * max(1.0, grown / base)), source
+            if not up and not self.origin and o_sizes[0] <= size and edge <= o_sizes[-1]:
+                base = _interp(edge, o_sizes, o_values)
+                if base > 0:
+                    shrunk = _interp(size, o_sizes, o_values) / base
+                    return float(values[0] * min(1.0, shrunk)), other
+        return None
 
     def _extended(self, ctx: int, size: float) -> float:
         """Bucket ``ctx``'s curve at ``size``, carried on beyond its largest size (an extra
@@ -274,18 +324,22 @@ class StepCostModel:
         return key in table.mean
 
     def priced(self, num_tokens: int, context: float = 0) -> bool:
-        """True if a plain step of this size is measured in this context bucket, or lies
-        between two sizes measured there (its estimate is then interpolated, not
-        extrapolated).
+        """True if the plain estimate of this size is a price (see
+        `_CostTable.priced_estimate`): interpolated between sizes measured at this context,
+        or its nearest measured size scaled by another decode bucket's shape, or an adjacent
+        bucket's interpolated value; not extrapolated, not from a context further away.
 
         A size that only occurs between a request's finish and its replacement's prefill
         (3 decodes at concurrency 4) is never measured itself: the next step runs the new
-        request's prefill chunk too. Requiring its own measurement declined every draft at
-        that size -- 32 of ~300 proposing steps in a concurrency-4 run (Intel Xeon, bf16
-        SmolLM2) -- and the idle mode counted those declines as load."""
-        # the bucket's measured sizes, sorted and cached (the estimates just read them)
-        sizes = self.plain.curve(self.context_bucket(context))[0]
-        return bool(sizes) and sizes[0] <= self.bucket(num_tokens) <= sizes[-1]
+        request's prefill chunk too. And each time the batch's mean context moves into
+        another log2 bucket, the sizes measured in the bucket it left are not yet measured
+        in the new one, while a drafting batch measures plain steps only when it declines
+        (a decline is measured after the next decision, so each crossing declined at least
+        twice). Requiring this bucket's own measurement declined 32 of ~300 proposing steps
+        in a concurrency-4 run (Intel Xeon, bf16 SmolLM2), 20 of 267 with sizes between
+        measured ones priced, and the idle mode counted those declines as load."""
+        return self.plain.priced_estimate(self.context_bucket(context),
+                                          self.bucket(num_tokens))[1]
 
     def is_clamped(self, num_tokens: int, context: float = 0, drafts: int = 0,
                    tree: bool = True) -> bool:
