@@ -145,11 +145,12 @@ def test_a_batch_whose_context_moves_to_the_next_bucket_is_priced_from_the_one_i
     """Under load the batch's mean context moves into another log2 bucket whenever a request
     arrives, finishes or grows past a boundary. The sizes measured in the bucket it left were
     not yet measured in the new one, and a drafting batch measures plain steps only when it
-    declines, so every crossing declined at least twice (20 of 267 proposing steps at
-    concurrency 4 with sizes between measured ones priced, Intel Xeon, bf16 SmolLM2). An
-    adjacent bucket measured on both sides of the size prices it (borrowed while the new
-    bucket has nothing, scaled from the new bucket's nearest size once it has some); a bucket
-    further away does not."""
+    declines, so every crossing declined at least twice (20 of 287 proposing steps at
+    concurrency 4 with sizes between measured ones priced, Intel Xeon, bf16 SmolLM2). Now an
+    adjacent bucket measured on both sides of the size prices it while the new bucket has
+    nothing there; once the new bucket has a size of its own, other sizes are priced at its
+    level, scaled by any decode bucket's shape. A level from a bucket further away is no
+    price."""
     costs = {n: 0.020 + 0.0002 * n for n in (1, 4, 8, 12, 16, 20, 24, 32, 40, 48, 56)}
     ctl = BudgetController(16, DISCOUNTS)
     for n, sec in costs.items():

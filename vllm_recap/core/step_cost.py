@@ -119,6 +119,11 @@ class _CostTable:
         in the nearest other bucket measured on both sides, else it costs what the smallest
         does.
         """
+        order = self.buckets_by_distance(ctx)
+        if order:  # the common case first: a size within this bucket's measured ones
+            sizes, values = self.curve(order[0])
+            if sizes[0] <= size <= sizes[-1]:
+                return float(_interp(size, sizes, values))
         return self.priced_estimate(ctx, size)[0]
 
     def priced_estimate(self, ctx: int, size: int) -> tuple[float | None, bool]:
@@ -336,7 +341,7 @@ class StepCostModel:
         in the new one, while a drafting batch measures plain steps only when it declines
         (a decline is measured after the next decision, so each crossing declined at least
         twice). Requiring this bucket's own measurement declined 32 of ~300 proposing steps
-        in a concurrency-4 run (Intel Xeon, bf16 SmolLM2), 20 of 267 with sizes between
+        in a concurrency-4 run (Intel Xeon, bf16 SmolLM2), 20 of 287 with sizes between
         measured ones priced, and the idle mode counted those declines as load."""
         return self.plain.priced_estimate(self.context_bucket(context),
                                           self.bucket(num_tokens))[1]
