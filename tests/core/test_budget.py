@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_recap.core.budget import AcceptanceCalibration, BudgetController, Drain, StepCostModel
 from vllm_recap.core.config import MAX_DEPTH, RecapConfig
@@ -177,13 +179,27 @@ def test_a_batch_whose_context_moves_to_the_next_bucket_is_priced_from_the_one_i
     ctl.observe_step(4, 0.03, context=1500)
     assert ctl.cost.priced(3, context=1500)
     assert ctl.cost.estimate(3, 1500) == pytest.approx(0.03 * shrunk)
-    # a bucket whose only measurement is a step with a prefill chunk (46 tokens): its
-    # 4 decodes used to cost that whole step; with no shape measured anywhere they cost
-    # what they cost in the adjacent bucket
+    # the shape does not come from prefill-only steps (context bucket 0)
+    lone = StepCostModel()
+    for n in (1, 4, 8):
+        lone.observe(n, 0.02 + 0.001 * n)
+    lone.observe(4, 0.03, context=700)
+    assert not lone.priced(3, context=700)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 33, 41, 46, 64]),
+                          st.sampled_from([0, 100, 300, 700, 1500])), min_size=1, max_size=12))
+def test_a_plain_step_never_costs_less_than_a_smaller_one(steps) -> None:
+    """Whatever was measured where, plain estimates grow with the size in every context:
+    borrowing another bucket's value or shape size by size (the first bucket that measured
+    this size) made a 3-token step cheaper than a 2-token one."""
     m = StepCostModel()
-    m.observe(4, 0.021, context=300)
-    m.observe(46, 0.050, context=700)
-    assert m.priced(4, context=700) and m.estimate(4, 700) == pytest.approx(0.021)
+    for n, context in steps:
+        m.observe(n, 0.02 + 0.0005 * n * (1 + context / 1000), context=context)
+    for context in (0, 100, 300, 700, 1500, 3000):
+        estimates = [m.estimate(n, context) for n in range(1, 70)]
+        assert all(b >= a - 1e-12 for a, b in zip(estimates, estimates[1:]))
 
 
 def test_larger_batches_get_smaller_budgets():

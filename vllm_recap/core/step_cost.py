@@ -130,15 +130,15 @@ class _CostTable:
         """(:meth:`estimate`, whether it is a *price*: interpolated, not extrapolated, and
         anchored at this context).
 
-        Priced, in the order tried: between sizes this bucket measured; this bucket's nearest
-        measured size grown or shrunk as another decode bucket's cost changes between the
-        two sizes (the shape borrowed, the level this context's own); an adjacent bucket's
-        interpolated value where this bucket has nothing on that side (the nearest
-        context's level; with no data here at all, the nearest bucket's values are the
-        estimate, priced when it is adjacent). Not priced: anything extrapolated beyond
-        every measurement used, or levels from buckets further away (a step's cost there
-        is not this context's), or shapes from prefill-only steps (context bucket 0) for a
-        decode bucket."""
+        Priced: between sizes this bucket measured; or beyond them, this bucket's nearest
+        measured size grown or shrunk as the cost changes between the two sizes in the
+        nearest other decode bucket that measured on both sides of that nearest size (the
+        shape borrowed, the level this context's own), where that bucket measured ``size``
+        too; with no data here at all, the nearest bucket's values stand in, priced when
+        that bucket is adjacent. Not priced: anything extrapolated beyond every measurement
+        used, levels from a bucket two or more away, shapes from prefill-only steps (context
+        bucket 0) for a decode bucket. The bucket lending a shape is chosen without looking
+        at ``size``, so the estimate stays monotone in the size."""
         order = self.buckets_by_distance(ctx)
         if not order:
             return None, False
@@ -148,17 +148,9 @@ class _CostTable:
         if sizes[0] <= size <= sizes[-1]:
             return float(_interp(size, sizes, values)), anchored
         scaled = self._scaled(order, size)
-        if (scaled is not None and scaled[1] is not None and anchored
-                and (scaled[1] > 0 or ctx == 0)):
-            return scaled[0], True
-        for near in order[1:]:
-            if abs(near - ctx) > 1:
-                break  # ordered by distance
-            n_sizes, n_values = self.curve(near)
-            if n_sizes[0] <= size <= n_sizes[-1]:
-                return float(_interp(size, n_sizes, n_values)), True
         if scaled is not None:
-            return scaled[0], False
+            value, source = scaled
+            return value, anchored and source is not None and (source > 0 or ctx == 0)
         if size > sizes[-1]:
             return self._extended(own, size), False
         return float(values[0]), False
@@ -166,15 +158,15 @@ class _CostTable:
     def _scaled(self, order: list[int], size: int) -> tuple[float, int | None] | None:
         """``order[0]``'s nearest measured size to ``size`` (beyond its measured sizes),
         grown or shrunk to ``size`` as the nearest other bucket that measured on both sides
-        of that size changes; (value, that bucket, None when ``size`` is beyond its
-        measurements too), None where no bucket did."""
+        of that nearest size changes from it to ``size``; (value, that bucket, or None where
+        ``size`` is beyond its measurements too), None where no bucket did."""
         sizes, values = self.curve(order[0])
         up = size > sizes[-1]
         edge = sizes[-1] if up else sizes[0]
         for other in order[1:]:
             o_sizes, o_values = self.curve(other)
             # a curve is flat beyond its measured sizes, so its change from ``edge`` to
-            # ``size`` means something only where it measured at or beyond ``edge`` too
+            # ``size`` means something only where it measured beyond ``edge`` too
             if up and o_sizes[0] <= edge < o_sizes[-1]:
                 base = _interp(edge, o_sizes, o_values)
                 grown = self._extended(other, size)
@@ -184,11 +176,13 @@ class _CostTable:
                 if base <= 0:
                     return float(values[-1]), None
                 return float(values[-1] * max(1.0, grown / base)), source
-            if not up and not self.origin and o_sizes[0] <= size and edge <= o_sizes[-1]:
+            if not up and not self.origin and o_sizes[0] < edge <= o_sizes[-1]:
                 base = _interp(edge, o_sizes, o_values)
-                if base > 0:
-                    shrunk = _interp(size, o_sizes, o_values) / base
-                    return float(values[0] * min(1.0, shrunk)), other
+                if base <= 0:
+                    return None
+                shrunk = _interp(size, o_sizes, o_values) / base
+                return (float(values[0] * min(1.0, shrunk)),
+                        other if size >= o_sizes[0] else None)
         return None
 
     def _extended(self, ctx: int, size: float) -> float:
@@ -331,8 +325,9 @@ class StepCostModel:
     def priced(self, num_tokens: int, context: float = 0) -> bool:
         """True if the plain estimate of this size is a price (see
         `_CostTable.priced_estimate`): interpolated between sizes measured at this context,
-        or its nearest measured size scaled by another decode bucket's shape, or an adjacent
-        bucket's interpolated value; not extrapolated, not from a context further away.
+        or its nearest measured size scaled by another decode bucket's shape, or, with
+        nothing measured here, the adjacent bucket's interpolated value; not extrapolated,
+        not from a context further away.
 
         A size that only occurs between a request's finish and its replacement's prefill
         (3 decodes at concurrency 4) is never measured itself: the next step runs the new
