@@ -375,7 +375,7 @@ class BudgetController:
                 tokens = base_tokens + level
                 if seconds is None or (level == 0 and not self.cost.priced(tokens, context)):
                     self.last_choice, self.last_decision = 0, None  # plain decoding is
-                    return 0                                        # measured first, always
+                    return 0                                        # priced first, always
                 rate = (served + worth[level] * gain_ratio) / (seconds * cost_ratio)
                 candidates.append((level, chain, tokens, tree, rate, (seconds, gains[level]),
                                    order))

@@ -147,7 +147,7 @@ class _CostTable:
         sizes, values = self.curve(own)
         if sizes[0] <= size <= sizes[-1]:
             return float(_interp(size, sizes, values)), anchored
-        scaled = self._scaled(order, size)
+        scaled = self._scaled(order, sizes, values, size)
         if scaled is not None:
             value, source = scaled
             return value, anchored and source is not None and (source > 0 or ctx == 0)
@@ -155,12 +155,13 @@ class _CostTable:
             return self._extended(own, size), False
         return float(values[0]), False
 
-    def _scaled(self, order: list[int], size: int) -> tuple[float, int | None] | None:
-        """``order[0]``'s nearest measured size to ``size`` (beyond its measured sizes),
-        grown or shrunk to ``size`` as the nearest other bucket that measured on both sides
-        of that nearest size changes from it to ``size``; (value, that bucket, or None where
-        ``size`` is beyond its measurements too), None where no bucket did."""
-        sizes, values = self.curve(order[0])
+    def _scaled(self, order: list[int], sizes: list[float], values: list[float],
+                size: int) -> tuple[float, int | None] | None:
+        """``order[0]``'s nearest measured size to ``size`` (beyond its measured sizes; its
+        curve is ``sizes``, ``values``), grown or shrunk to ``size`` as the nearest other
+        bucket that measured on both sides of that nearest size changes from it to ``size``;
+        (value, that bucket, or None where ``size`` is beyond its measurements too), None
+        where no bucket did."""
         up = size > sizes[-1]
         edge = sizes[-1] if up else sizes[0]
         for other in order[1:]:
