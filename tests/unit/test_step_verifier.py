@@ -10,7 +10,7 @@ import torch
 from vllm_recap.core.tree import DraftTree
 from vllm_recap.vllm.context import StashedKV
 from vllm_recap.vllm.layout import (as_scheduled, build_plan, chain_parents,
-                                    next_prefill_tokens)
+                                    next_prefill_tokens, whole_step_slots)
 from tests.unit.fake_engine import greedy_params
 from vllm_recap.vllm.tree_verify import prepare, write
 from vllm_recap.vllm.driver import decode_context
@@ -52,6 +52,25 @@ def test_plan_layout():
     assert tree.query_start == 5
     assert tree.depths.tolist() == [0, 1, 1, 1, 2, 2, 2]
     assert tree.ancestor_mask[5].tolist() == [True, False, False, True, False, True, False]
+
+
+def test_whole_step_slots_lay_chains_and_lone_roots_out_read_only():
+    # every request a decode: r0 a lone root, r1 the tree, r2 a chain of 3
+    plan = _plan(num_computed=(20, 30, 40))
+    plan.num_scheduled[0] = 1
+    plan.query_starts[:] = [0, 1, 8, 11]
+    slots = whole_step_slots(plan)
+    assert [s.batch_index for s in slots] == [0, 1, 2]
+    assert slots[1] is plan.trees[0]
+    root, chain = slots[0], slots[2]
+    assert (root.query_start, root.parents.tolist(), root.depths.tolist()) == (0, [-1], [0])
+    assert chain.parents.tolist() == [-1, 0, 1] and chain.depths.tolist() == [0, 1, 2]
+    assert chain.ancestor_mask.tolist() == np.tri(3, dtype=bool).tolist()
+    # the chain arrays are shared by every step: nobody may edit them in place
+    for a in (root.parents, chain.parents, chain.depths, chain.ancestor_mask,
+              chain_parents(3)):
+        assert not a.flags.writeable
+    assert whole_step_slots(plan)[2].parents is chain.parents
 
 
 def _one(drafts, proposals):
