@@ -187,6 +187,31 @@ def test_a_batch_whose_context_moves_to_the_next_bucket_is_priced_from_the_one_i
     assert not lone.priced(3, context=700)
 
 
+def test_a_size_below_the_nearest_lenders_measurements_is_priced_by_a_bucket_that_measured_it():
+    """The decision log at concurrency 8 (Intel Xeon, bf16 SmolLM2): a batch of 4 decodes at
+    context 268 (bucket 8, smallest size measured 8) took its shape from bucket 9, the
+    nearest one measured on both sides of 8 -- but bucket 9 had measured down to 6 only, so
+    4 was no price and the budget declined, while bucket 7 had measured 1 to 240. The
+    bucket measured furthest down lends the shape now (chosen without looking at the size,
+    so estimates stay monotone)."""
+    def cost(n, context):
+        return 0.02 + 0.0004 * n * (1 + context / 1000)
+
+    m = StepCostModel()
+    for n, context in [(8, 268), (94, 268), (6, 413), (7, 413), (8, 413), (1, 128),
+                       (8, 128), (240, 128)]:
+        m.observe(n, cost(n, context), context=context)
+    assert m.priced(4, context=268) and not m.measured(4, context=268)
+    shrunk = np.interp(4, [1, 8], [cost(1, 128), cost(8, 128)]) / cost(8, 128)
+    assert m.estimate(4, 268) == pytest.approx(cost(8, 268) * shrunk)
+    # bucket 9 (smallest 6) too takes bucket 7's shape, which reaches down to 1
+    assert m.priced(1, context=413) and m.priced(5, context=413)
+    # prefill-only steps (bucket 0) lend a decode bucket a shape only where no decode bucket
+    # can: their smaller sizes do not make them the lender
+    m.observe(2, 0.021)
+    m.observe(300, 0.2)
+    assert m.estimate(4, 268) == pytest.approx(cost(8, 268) * shrunk)
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 33, 41, 46, 64]),
                           st.sampled_from([0, 100, 300, 700, 1500])), min_size=1, max_size=12))

@@ -116,8 +116,8 @@ class _CostTable:
         CPU, bf16) a decode step ran ~1.4 ms more per token from 3 to 16 tokens, and priced
         flat beyond 16, the first drafts of every size looked free and cost 25-80% more
         than estimated. Below the smallest measured size a whole step shrinks as it shrinks
-        in the nearest other bucket measured on both sides, else it costs what the smallest
-        does.
+        in another bucket measured on both sides (the one measured furthest down,
+        :meth:`_shrunk`), else it costs what the smallest does.
         """
         order = self.buckets_by_distance(ctx)
         if order:  # the common case first: a size within this bucket's measured ones
@@ -131,10 +131,10 @@ class _CostTable:
         anchored at this context).
 
         Priced: between sizes this bucket measured; or beyond them, this bucket's nearest
-        measured size grown or shrunk as the cost changes between the two sizes in the
-        nearest other decode bucket that measured on both sides of that nearest size (the
-        shape borrowed, the level this context's own), where that bucket measured ``size``
-        too; with no data here at all, the nearest bucket's values stand in, priced when
+        measured size grown or shrunk as the cost changes between the two sizes in
+        another decode bucket that measured on both sides of that nearest size (growing: the
+        nearest; shrinking: the one measured furthest down; the shape borrowed, the level
+        this context's own), where that bucket measured ``size`` too; with no data here at all, the nearest bucket's values stand in, priced when
         that bucket is adjacent. Not priced: anything extrapolated beyond every measurement
         used, levels from a bucket two or more away, shapes from prefill-only steps (context
         bucket 0) for a decode bucket. The bucket lending a shape is chosen without looking
@@ -158,17 +158,19 @@ class _CostTable:
     def _scaled(self, order: list[int], sizes: list[float], values: list[float],
                 size: int) -> tuple[float, int | None] | None:
         """``order[0]``'s nearest measured size to ``size`` (beyond its measured sizes; its
-        curve is ``sizes``, ``values``), grown or shrunk to ``size`` as the nearest other
-        bucket that measured on both sides of that nearest size changes from it to ``size``;
-        (value, that bucket, or None where ``size`` is beyond its measurements too), None
-        where no bucket did."""
+        curve is ``sizes``, ``values``), grown to ``size`` as the nearest other bucket that
+        measured on both sides of that nearest size changes from it to ``size``, or shrunk
+        (:meth:`_shrunk`); (value, that bucket, or None where ``size`` is beyond its
+        measurements too), None where no bucket did."""
         up = size > sizes[-1]
         edge = sizes[-1] if up else sizes[0]
+        if not up:
+            return None if self.origin else self._shrunk(order, values[0], edge, size)
         for other in order[1:]:
             o_sizes, o_values = self.curve(other)
             # a curve is flat beyond its measured sizes, so its change from ``edge`` to
             # ``size`` means something only where it measured beyond ``edge`` too
-            if up and o_sizes[0] <= edge < o_sizes[-1]:
+            if o_sizes[0] <= edge < o_sizes[-1]:
                 base = _interp(edge, o_sizes, o_values)
                 grown = self._extended(other, size)
                 source = other if size <= o_sizes[-1] else None
@@ -177,14 +179,35 @@ class _CostTable:
                 if base <= 0:
                     return float(values[-1]), None
                 return float(values[-1] * max(1.0, grown / base)), source
-            if not up and not self.origin and o_sizes[0] < edge <= o_sizes[-1]:
-                base = _interp(edge, o_sizes, o_values)
-                if base <= 0:
-                    return None
-                shrunk = _interp(size, o_sizes, o_values) / base
-                return (float(values[0] * min(1.0, shrunk)),
-                        other if size >= o_sizes[0] else None)
         return None
+
+    def _shrunk(self, order: list[int], value: float, edge: float, size: int
+                ) -> tuple[float, int | None] | None:
+        """A whole step below ``order[0]``'s smallest measured size ``edge`` (costing
+        ``value``): ``value`` shrunk to ``size`` as it shrinks in the bucket that measured on
+        both sides of ``edge`` and furthest below it -- a decode bucket before prefill-only
+        steps' (bucket 0) for a decode bucket, the nearest among equals; (value, that bucket,
+        or None where ``size`` is below its measurements too), None where no bucket did.
+
+        Not simply the nearest such bucket: it may have measured down to 6 tokens where a
+        bucket further off measured 1, and then a batch of 4 decodes was never priced
+        (forced declines in the decision log, Intel Xeon, concurrency 8). The lender is
+        still chosen without looking at ``size``, so the estimate stays monotone in it."""
+        lender, rank = None, None
+        for other in order[1:]:
+            o_sizes, o_values = self.curve(other)
+            if o_sizes[0] < edge <= o_sizes[-1]:
+                key = (other == 0 and order[0] != 0, o_sizes[0])
+                if rank is None or key < rank:  # strictly: the nearest among equals
+                    lender, rank = (other, o_sizes, o_values), key
+        if lender is None:
+            return None
+        other, o_sizes, o_values = lender
+        base = _interp(edge, o_sizes, o_values)
+        if base <= 0:
+            return None
+        shrunk = _interp(size, o_sizes, o_values) / base
+        return float(value * min(1.0, shrunk)), other if size >= o_sizes[0] else None
 
     def _extended(self, ctx: int, size: float) -> float:
         """Bucket ``ctx``'s curve at ``size``, carried on beyond its largest size (an extra
