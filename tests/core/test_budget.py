@@ -206,11 +206,15 @@ def test_a_size_below_the_nearest_lenders_measurements_is_priced_by_a_bucket_tha
     assert m.estimate(4, 268) == pytest.approx(cost(8, 268) * shrunk)
     # bucket 9 (smallest 6) too takes bucket 7's shape, which reaches down to 1
     assert m.priced(1, context=413) and m.priced(5, context=413)
-    # prefill-only steps (bucket 0) lend a decode bucket a shape only where no decode bucket
-    # can: their smaller sizes do not make them the lender
-    m.observe(2, 0.021)
-    m.observe(300, 0.2)
+    # prefill-only steps (bucket 0), whose shape prices no decode bucket, lend one a shape
+    # only where no decode bucket can: measuring further down does not make them the lender
+    m = StepCostModel()
+    for n, context in [(8, 268), (94, 268), (2, 128), (8, 128), (240, 128), (1, 0), (300, 0)]:
+        m.observe(n, cost(n, context), context=context)
+    assert m.priced(4, context=268)
+    shrunk = np.interp(4, [2, 8], [cost(2, 128), cost(8, 128)]) / cost(8, 128)
     assert m.estimate(4, 268) == pytest.approx(cost(8, 268) * shrunk)
+
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 33, 41, 46, 64]),

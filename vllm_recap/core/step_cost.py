@@ -131,14 +131,15 @@ class _CostTable:
         anchored at this context).
 
         Priced: between sizes this bucket measured; or beyond them, this bucket's nearest
-        measured size grown or shrunk as the cost changes between the two sizes in
-        another decode bucket that measured on both sides of that nearest size (growing: the
-        nearest; shrinking: the one measured furthest down; the shape borrowed, the level
-        this context's own), where that bucket measured ``size`` too; with no data here at all, the nearest bucket's values stand in, priced when
-        that bucket is adjacent. Not priced: anything extrapolated beyond every measurement
-        used, levels from a bucket two or more away, shapes from prefill-only steps (context
-        bucket 0) for a decode bucket. The bucket lending a shape is chosen without looking
-        at ``size``, so the estimate stays monotone in the size."""
+        measured size grown or shrunk as the cost changes between the two sizes in another
+        decode bucket that measured on both sides of that nearest size (growing: the nearest;
+        shrinking: the one measured furthest down; the shape borrowed, the level this
+        context's own), where that bucket measured ``size`` too; with no data here at all,
+        the nearest bucket's values stand in, priced when that bucket is adjacent. Not
+        priced: anything extrapolated beyond every measurement used, levels from a bucket two
+        or more away, shapes from prefill-only steps (context bucket 0) for a decode bucket.
+        The bucket lending a shape is chosen without looking at ``size``, so the estimate
+        stays monotone in the size."""
         order = self.buckets_by_distance(ctx)
         if not order:
             return None, False
