@@ -28,8 +28,9 @@ def chain_parents(n: int) -> np.ndarray:
 def _chain_arrays(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A single path of n nodes: [n] parents, [n] depths and its [n, n] ancestor mask, built
     once per n and read-only. Every step lays out a chain or a lone root per request that
-    drafts no tree; building them anew cost ~5-15 us per request (``np.tri`` most), ~0.1 ms a
-    step at concurrency 16."""
+    drafts no tree; building them anew (``np.tri`` most) made ``whole_step_slots`` cost
+    0.134 ms a step at concurrency 16, 0.016-0.019 ms with these (``proposer_profile``,
+    Intel Xeon AVX-512, bf16 SmolLM2)."""
     arrays = (np.arange(-1, n - 1, dtype=np.int64), np.arange(n, dtype=np.int64),
               np.tri(n, dtype=bool))
     for a in arrays:
