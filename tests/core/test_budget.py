@@ -115,6 +115,24 @@ def test_steep_cost_and_poor_drafts_stop_speculating():
     assert ctl.choose([chain_tree(16, 0.3)], fixed_tokens=0) == 0
 
 
+def test_explain_says_what_the_last_choice_weighed() -> None:
+    """The DEBUG line an operator reads to see why RECAP does or does not draft."""
+    cold = BudgetController(16, DISCOUNTS)
+    assert cold.choose([chain_tree(16, 0.9)], fixed_tokens=0) == 0
+    assert cold.explain().startswith("declined: a plain step of 1 tokens has no price")
+    good = _controller_after({n: 0.010 for n in range(1, 18)}, accept=0.95)
+    good.choose([chain_tree(16, 0.95)], fixed_tokens=0)
+    assert good.explain().startswith("chose 16 nodes as trees; plain 10.0 ms, 100.0 tokens/s; "
+                                     "best draft 16 nodes as trees: 10.0 ms for +")
+    poor = _controller_after({n: 0.010 * n for n in range(1, 18)}, accept=0.3)
+    poor.choose([chain_tree(16, 0.3)], fixed_tokens=0)
+    text = poor.explain()
+    assert text.startswith("chose no drafts; plain 10.0 ms, 100.0 tokens/s; best draft ")
+    assert text.endswith("tokens/s (must beat plain x1.03)")
+    # the rate it quotes for the best draft is below plain decoding's, as it must be
+    assert float(text.split("tokens, ")[1].split(" ")[0]) < 100.0 * 1.03
+
+
 def test_cpu_like_cliff_picks_a_middle_budget_when_drafts_are_good():
     costs = {1: 0.10, 2: 0.10, 3: 0.12, 4: 0.12, 5: 0.17, 7: 0.2, 9: 0.2, 13: 0.22, 17: 0.3}
     ctl = _controller_after(costs, accept=0.9)

@@ -254,6 +254,46 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     assert driver.stats["tree_requests"] > 0 and driver.stats["resynced"] > 0
 
 
+def test_budget_decisions_and_idle_switches_are_logged_at_debug_level(caplog):
+    """``VLLM_LOGGING_LEVEL=DEBUG`` shows every budget decision (what it weighed) and every
+    switch of the idle mode: the two things to read when RECAP does not draft."""
+    import logging
+
+    from vllm_recap.vllm.driver import IDLE_AFTER, PROBE_EVERY
+
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config)
+    driver = engine.drivers[0]
+    _add_all(engine, 40)
+    calls = []
+    real = driver.budget.choose
+    driver.budget.choose = lambda *a, **k: calls.append(1) or real(*a, **k)
+    with caplog.at_level(logging.DEBUG, logger="vllm.recap"):
+        engine.run()
+    decisions = [r.getMessage() for r in caplog.records
+                 if r.getMessage().startswith("RECAP budget (")]
+    assert len(decisions) == len(calls) > 0
+    assert all("): chose " in m or "): declined: " in m for m in decisions)
+    assert any("best draft" in m for m in decisions)
+    # a budget that declines everything: the idle mode switches on, then a probe switches it off
+    engine = _engine(config=config)
+    driver = engine.drivers[0]
+    driver.budget.choose = _choosing(driver.budget, 0)
+    _add_all(engine, 90)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="vllm.recap"):
+        for _ in range(IDLE_AFTER + PROBE_EVERY + 4):
+            engine.step()
+    switches = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("RECAP idle mode")]
+    assert switches[0].startswith("RECAP idle mode on (")
+    assert switches[1].startswith("RECAP idle mode off: probing or drafting")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.recap"):  # nothing below DEBUG's level
+        engine.step()
+    assert not any(r.levelno < logging.INFO for r in caplog.records)
+
+
 def test_idle_probes_back_off_while_they_find_nothing():
     """A probe costs the full per-request work; under a load where drafting never pays, probes
     every 16 steps plus the steps before idling again cost more than drafting won (0.89x at

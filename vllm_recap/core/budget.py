@@ -290,6 +290,13 @@ class BudgetController:
         self.last_chain = False  # the last choice verifies chains (see ``choose``)
         self.last_counts: list[int] = []  # per request, the nodes of the last choice
         self.last_decision: Decision | None = None
+        # What the last choice weighed, for :meth:`explain` (kept, not formatted: free
+        # unless someone asks)
+        self._last_candidates: list[tuple] = []
+        self._last_pick: tuple | None = None  # the candidate the rates picked
+        self._last_unpriced: int | None = None  # tokens of a plain step with no price
+        self._last_margin = 1.0
+        self._last_drain = False
 
     def calibration(self, kind: str = "greedy") -> AcceptanceCalibration:
         """The calibration of one acceptance rule ("greedy" or "sampled")."""
@@ -336,6 +343,7 @@ class BudgetController:
         """
         self.last_chain = False
         self.last_counts = [0] * len(trees)
+        self._last_candidates, self._last_pick, self._last_unpriced = [], None, None
         if not trees:
             return 0
         kinds = kinds or ["greedy"] * len(trees)
@@ -374,6 +382,7 @@ class BudgetController:
                     levels, trees_at, estimates, self.outcomes.ratio_list(levels, chain)):
                 tokens = base_tokens + level
                 if seconds is None or (level == 0 and not self.cost.priced(tokens, context)):
+                    self._last_unpriced = tokens
                     self.last_choice, self.last_decision = 0, None  # plain decoding is
                     return 0                                        # priced first, always
                 rate = (served + worth[level] * gain_ratio) / (seconds * cost_ratio)
@@ -384,6 +393,8 @@ class BudgetController:
         # the extra rows' proposer work, which the cost model does not see.
         margin = draft_margin(len(trees) if drain is None else drain.decoding)
         best = max(candidates, key=lambda c: c[4] if c[0] == 0 else c[4] / margin)
+        self._last_candidates, self._last_pick, self._last_margin = candidates, best, margin
+        self._last_drain = drain is not None
         choice, chosen_chain = best[0], best[1]
         # Now and then re-measure a neighbouring size whose measurement is missing, old or
         # contradicted by a larger size: the next one down first (a smaller size is only
@@ -411,6 +422,34 @@ class BudgetController:
         self.last_decision = Decision(level, *best[5], self.last_chain) if level > 0 else None
         return self.last_choice
 
+    def explain(self) -> str:
+        """One line on the last :meth:`choose`: what it chose and against what -- plain
+        decoding's estimate and rate, the best drafting candidate's (after the outcome
+        corrections) and the margin it had to clear. For the operator asking why RECAP does
+        or does not draft (the driver logs it at DEBUG level); built only when asked."""
+        if self._last_unpriced is not None:
+            return (f"declined: a plain step of {self._last_unpriced} tokens has no price at "
+                    f"this context yet (plain decoding is measured first)")
+        if not self._last_candidates:
+            return "nothing to choose (no trees)"
+        level = self.last_decision.level if self.last_decision is not None else 0
+        chosen = (f"{_nodes(level)} as {'chains' if self.last_chain else 'trees'}" if level
+                  else "no drafts")
+        if self._last_pick is not None and self._last_pick[0] != level:
+            chosen += f" (re-measuring; the rates picked {self._last_pick[0]})"
+        # rates are committed tokens per second, or, while the batch drains, steps taken
+        # off its remaining run per second (see Drain)
+        unit = "run steps/s" if self._last_drain else "tokens/s"
+        plain = next(c for c in self._last_candidates if c[0] == 0)
+        drafted = [c for c in self._last_candidates if c[0] > 0]
+        text = f"chose {chosen}; plain {plain[5][0] * 1e3:.1f} ms, {plain[4]:.1f} {unit}"
+        if drafted:
+            top = max(drafted, key=lambda c: c[4])
+            text += (f"; best draft {_nodes(top[0])} as {'chains' if top[1] else 'trees'}: "
+                     f"{top[5][0] * 1e3:.1f} ms for +{top[5][1]:.2f} tokens, {top[4]:.1f} "
+                     f"{unit} (must beat plain x{self._last_margin:.2f})")
+        return text
+
     def observe_step(self, num_tokens: int, seconds: float, context: float = 0,
                      drafts: int = 0, work: float = 0.0, tree: bool = True) -> None:
         """One engine step: tokens run (``drafts`` of them draft tokens, ``tree``: verified
@@ -435,6 +474,10 @@ class BudgetController:
             if np.isscalar(accepted):
                 accepted = np.arange(1, int(accepted) + 1)
             self.calibration(kind).observe(depths, scores, accepted)
+
+
+def _nodes(n: int) -> str:
+    return f"{n} node" if n == 1 else f"{n} nodes"
 
 
 def _drain_gains(order: list[int], node_probs: list[list[float]], slack: float) -> list[float]:

@@ -15,6 +15,7 @@ the engine-free algorithm lives in the :class:`~vllm_recap.core.drafter.Drafter`
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -44,6 +45,9 @@ from vllm_recap.vllm.tree_verify import prepare as prepare_trees
 from vllm_recap.vllm.tree_verify import write as write_trees
 from vllm_recap.vllm.verifier import (compact_kv, node_tokens_of_rows, off_chain,
                                       top1_is_argmax, topk_rows)
+
+# DEBUG: every budget decision and idle-mode switch (``VLLM_LOGGING_LEVEL=DEBUG``)
+logger = logging.getLogger("vllm.recap")
 
 # What the driver reads from vLLM's model runner (checked once, at the first step).
 RUNNER_ATTRIBUTES = (
@@ -166,6 +170,7 @@ class StepDriver:
                       "drain_steps": 0, "drain_decoding": 0, "drain_longest": 0}
         self._quiet = 0  # consecutive steps without scheduled drafts
         self._drafting = 0.0  # moving share of drafted steps among those offered drafts
+        self._was_idle = False  # the last step idled (for the DEBUG log of switches)
         self._probe_every = PROBE_EVERY  # idle steps between probes
         self._since_probe = 0  # idle or probing steps since the last probe window began
         self._running: set[str] = set()  # the previous step's requests (to see arrivals)
@@ -223,6 +228,11 @@ class StepDriver:
                           decision=self._decision if plan.num_drafts.any() else None,
                           kv_views=self.settings.eager and num_tokens <= KV_VIEWS_UP_TO)
         self._decision = None
+        if ctx.idle != self._was_idle and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("RECAP idle mode %s (%d declined steps in a row, drafted share %.2f, "
+                         "probe period %d)", "on" if ctx.idle else "off: probing or drafting",
+                         self._quiet, self._drafting, self._probe_every)
+        self._was_idle = ctx.idle
         if not ctx.idle and self.compute_logits is not None:
             t1 = time.perf_counter()
             ctx.seeding = self.seeder.plan(plan, batch.token_ids_cpu, self.records)
@@ -479,6 +489,9 @@ class StepDriver:
             fixed = next_prefill_tokens(ctx.plan) + len(decoding) - len(trees)
             self.budget.choose(list(trees.values()), fixed, kinds, context, chains=True,
                                drain=drain)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("RECAP budget (%d decoding, context %.0f): %s", len(decoding),
+                             context, self.budget.explain())
             counts = dict(zip(trees, self.budget.last_counts))
             chain = self.budget.last_chain
             self._decision = self.budget.last_decision
