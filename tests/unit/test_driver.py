@@ -255,8 +255,9 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
 
 
 def test_budget_decisions_and_idle_switches_are_logged_at_debug_level(caplog):
-    """``VLLM_LOGGING_LEVEL=DEBUG`` shows every budget decision (what it weighed) and every
-    switch of the idle mode: the two things to read when RECAP does not draft."""
+    """``VLLM_LOGGING_LEVEL=DEBUG`` shows every budget decision (what it weighed), how each
+    drafted step's estimate came out, and every switch of the idle mode: what to read when
+    RECAP does not draft."""
     import logging
 
     from vllm_recap.vllm.driver import IDLE_AFTER, PROBE_EVERY
@@ -275,6 +276,10 @@ def test_budget_decisions_and_idle_switches_are_logged_at_debug_level(caplog):
     assert len(decisions) == len(calls) > 0
     assert all("): chose " in m or "): declined: " in m for m in decisions)
     assert any("best draft" in m for m in decisions)
+    # and each drafted step's estimate against what it ran (seconds, accepted drafts)
+    outcomes = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("RECAP budget outcome: ")]
+    assert outcomes and all(" estimated " in m and " ran " in m for m in outcomes)
     # a budget that declines everything: the idle mode switches on, then a probe switches it off
     engine = _engine(config=config)
     driver = engine.drivers[0]
