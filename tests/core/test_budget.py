@@ -131,6 +131,12 @@ def test_explain_says_what_the_last_choice_weighed() -> None:
     assert text.endswith("tokens/s (must beat plain x1.03)")
     # the rate it quotes for the best draft is below plain decoding's, as it must be
     assert float(text.split("tokens, ")[1].split(" ")[0]) < 100.0 * 1.03
+    # every 8th step a neighbouring size that was never measured is re-measured instead
+    for _ in range(24 - good.cost.steps):
+        good.observe_step(1, 0.010)
+    assert good.choose([chain_tree(16, 0.95)], fixed_tokens=0) == 12
+    assert good.explain().startswith(
+        "chose 12 nodes as trees (re-measuring; the rates picked 16 nodes as trees); ")
 
 
 def test_cpu_like_cliff_picks_a_middle_budget_when_drafts_are_good():

@@ -294,6 +294,7 @@ class BudgetController:
         # unless someone asks)
         self._last_candidates: list[tuple] = []
         self._last_pick: tuple | None = None  # the candidate the rates picked
+        self._last_best: tuple | None = None  # the one chosen (a re-measurement may differ)
         self._last_unpriced: int | None = None  # tokens of a plain step with no price
         self._last_margin = 1.0
         self._last_drain = False
@@ -343,7 +344,8 @@ class BudgetController:
         """
         self.last_chain = False
         self.last_counts = [0] * len(trees)
-        self._last_candidates, self._last_pick, self._last_unpriced = [], None, None
+        self._last_candidates, self._last_unpriced = [], None
+        self._last_pick = self._last_best = None
         if not trees:
             return 0
         kinds = kinds or ["greedy"] * len(trees)
@@ -412,6 +414,7 @@ class BudgetController:
                         or self.cost.is_clamped(tokens, context, level, tree)):
                     best = candidate
                     break
+        self._last_best = best
         level = best[0]
         counts = [0] * len(trees)
         for r in best[6][:level]:
@@ -430,13 +433,13 @@ class BudgetController:
         if self._last_unpriced is not None:
             return (f"declined: a plain step of {self._last_unpriced} tokens has no price at "
                     f"this context yet (plain decoding is measured first)")
-        if not self._last_candidates:
+        if not self._last_candidates or self._last_best is None:
             return "nothing to choose (no trees)"
-        level = self.last_decision.level if self.last_decision is not None else 0
-        chosen = (f"{_nodes(level)} as {'chains' if self.last_chain else 'trees'}" if level
-                  else "no drafts")
-        if self._last_pick is not None and self._last_pick[0] != level:
-            chosen += f" (re-measuring; the rates picked {self._last_pick[0]})"
+        best, pick = self._last_best, self._last_pick
+        chosen = _described(best) if best[0] else "no drafts"
+        if pick is not best:
+            chosen += (f" (re-measuring; the rates picked "
+                       f"{_described(pick) if pick[0] else 'no drafts'})")
         # rates are committed tokens per second, or, while the batch drains, steps taken
         # off its remaining run per second (see Drain)
         unit = "run steps/s" if self._last_drain else "tokens/s"
@@ -445,7 +448,7 @@ class BudgetController:
         text = f"chose {chosen}; plain {plain[5][0] * 1e3:.1f} ms, {plain[4]:.1f} {unit}"
         if drafted:
             top = max(drafted, key=lambda c: c[4])
-            text += (f"; best draft {_nodes(top[0])} as {'chains' if top[1] else 'trees'}: "
+            text += (f"; best draft {_described(top)}: "
                      f"{top[5][0] * 1e3:.1f} ms for +{top[5][1]:.2f} tokens, {top[4]:.1f} "
                      f"{unit} (must beat plain x{self._last_margin:.2f})")
         return text
@@ -476,8 +479,12 @@ class BudgetController:
             self.calibration(kind).observe(depths, scores, accepted)
 
 
-def _nodes(n: int) -> str:
-    return f"{n} node" if n == 1 else f"{n} nodes"
+def _described(candidate: tuple) -> str:
+    """'<D> nodes as trees / chains / single paths' of a candidate of ``choose`` (a tree-shape
+    candidate whose nodes form a single path per request verifies as chains do)."""
+    level, chain, tree = candidate[0], candidate[1], candidate[3]
+    shape = "chains" if chain else ("trees" if tree else "single paths")
+    return f"{level} node{'' if level == 1 else 's'} as {shape}"
 
 
 def _drain_gains(order: list[int], node_probs: list[list[float]], slack: float) -> list[float]:

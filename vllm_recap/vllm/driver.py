@@ -245,10 +245,10 @@ class StepDriver:
                 self.budget.observe_outcome(self._outcome[0], step[1], self._outcome[1])
                 if logger.isEnabledFor(logging.DEBUG):
                     d = self._outcome[0]
-                    logger.debug("RECAP budget outcome: %d nodes as %s estimated %.1f ms for "
+                    logger.debug("RECAP budget outcome: %d node%s as %s estimated %.1f ms for "
                                  "+%.2f tokens, ran %.1f ms for +%d", d.level,
-                                 "chains" if d.chain else "trees", d.seconds * 1e3, d.gain,
-                                 step[1] * 1e3, self._outcome[1])
+                                 "" if d.level == 1 else "s", "chains" if d.chain else "trees",
+                                 d.seconds * 1e3, d.gain, step[1] * 1e3, self._outcome[1])
         self._outcome = None
         self.stats["steps"] += 1
         self.stats["idle_steps"] += int(ctx.idle)
