@@ -108,6 +108,9 @@ _ALL: list[Method] = [
     Method("recap-nodraft", _fixed(0, suffix_len=0, num_speculative_tokens=1),
            "RECAP that never drafts: its fixed per-step cost (rows, memories) on vLLM's "
            "speculative path, the floor of what an idle controller costs"),
+    Method("recap-tree-s32", _recap(suffix_len=32),
+           "RECAP tree with continuations of up to 32 nodes on top of the node budget (default "
+           "16), as suffix decoding's 32-token drafts"),
     Method("recap-tree-classic", _recap(**CLASSIC),
            "RECAP tree without the continuation additions (4-token earliest continuation, no "
            "shared index, uncalibrated scores), adaptive"),
