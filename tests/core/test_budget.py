@@ -119,7 +119,7 @@ def test_explain_says_what_the_last_choice_weighed() -> None:
     """The DEBUG line an operator reads to see why RECAP does or does not draft."""
     cold = BudgetController(16, DISCOUNTS)
     assert cold.choose([chain_tree(16, 0.9)], fixed_tokens=0) == 0
-    assert cold.explain().startswith("declined: a plain step of 1 tokens has no price")
+    assert cold.explain().startswith("declined: a plain step of 1 token has no price")
     good = _controller_after({n: 0.010 for n in range(1, 18)}, accept=0.95)
     good.choose([chain_tree(16, 0.95)], fixed_tokens=0)
     assert good.explain().startswith("chose 16 nodes as trees; plain 10.0 ms, 100.0 tokens/s; "

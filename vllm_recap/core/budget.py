@@ -431,8 +431,9 @@ class BudgetController:
         corrections) and the margin it had to clear. For the operator asking why RECAP does
         or does not draft (the driver logs it at DEBUG level); built only when asked."""
         if self._last_unpriced is not None:
-            return (f"declined: a plain step of {self._last_unpriced} tokens has no price at "
-                    f"this context yet (plain decoding is measured first)")
+            n = self._last_unpriced
+            return (f"declined: a plain step of {n} token{'' if n == 1 else 's'} has no price "
+                    f"at this context yet (plain decoding is measured first)")
         if not self._last_candidates or self._last_best is None:
             return "nothing to choose (no trees)"
         best, pick = self._last_best, self._last_pick
