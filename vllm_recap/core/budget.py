@@ -204,6 +204,13 @@ class Decision:
     gain: float
     chain: bool = False
 
+    def outcome(self, seconds: float, accepted: int) -> str:
+        """One line on how the decision came out (the driver's DEBUG log): the step's
+        estimate and expected drafts against its measured seconds and accepted drafts."""
+        return (f"{_nodes_as(self.level, 'chains' if self.chain else 'trees')} estimated "
+                f"{self.seconds * 1e3:.1f} ms for +{self.gain:.2f} tokens, ran "
+                f"{seconds * 1e3:.1f} ms for +{accepted}")
+
 
 class LevelOutcomes:
     """Measured over expected, per chosen level: step seconds and accepted drafts.
@@ -484,7 +491,10 @@ def _described(candidate: tuple) -> str:
     """'<D> nodes as trees / chains / single paths' of a candidate of ``choose`` (a tree-shape
     candidate whose nodes form a single path per request verifies as chains do)."""
     level, chain, tree = candidate[0], candidate[1], candidate[3]
-    shape = "chains" if chain else ("trees" if tree else "single paths")
+    return _nodes_as(level, "chains" if chain else ("trees" if tree else "single paths"))
+
+
+def _nodes_as(level: int, shape: str) -> str:
     return f"{level} node{'' if level == 1 else 's'} as {shape}"
 
 

@@ -244,11 +244,8 @@ class StepDriver:
             if self._outcome is not None:
                 self.budget.observe_outcome(self._outcome[0], step[1], self._outcome[1])
                 if logger.isEnabledFor(logging.DEBUG):
-                    d = self._outcome[0]
-                    logger.debug("RECAP budget outcome: %d node%s as %s estimated %.1f ms for "
-                                 "+%.2f tokens, ran %.1f ms for +%d", d.level,
-                                 "" if d.level == 1 else "s", "chains" if d.chain else "trees",
-                                 d.seconds * 1e3, d.gain, step[1] * 1e3, self._outcome[1])
+                    logger.debug("RECAP budget outcome: %s",
+                                 self._outcome[0].outcome(step[1], self._outcome[1]))
         self._outcome = None
         self.stats["steps"] += 1
         self.stats["idle_steps"] += int(ctx.idle)
