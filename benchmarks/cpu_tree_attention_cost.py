@@ -213,6 +213,11 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    # vLLM's bfloat16 kernel uses AMX tiles where the CPU has them, and Linux kills a process
+    # that touches them before asking for their state (the engine's worker asks; this script
+    # calls the kernel without one)
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
     rows = run(args)
     print(f"torch threads {torch.get_num_threads()} "
           f"({'thread CPU time' if torch.get_num_threads() == 1 else 'wall time'}), "

@@ -356,6 +356,24 @@ def test_cost_benchmark_smoke(capsys):
     assert "paths/stock" in capsys.readouterr().out
 
 
+def test_cost_benchmark_runs_bfloat16_in_a_fresh_process():
+    """In bfloat16 vLLM's kernel uses AMX tiles where the CPU has them, and Linux kills a
+    process that touches them before asking for their state (SIGILL): the benchmark runs the
+    kernel before any matrix multiply would have asked, so it must ask itself. (A fresh
+    process: in this one an earlier test's bfloat16 matmul may have asked already.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "cpu_tree_attention_cost.py"), "--dtypes",
+         "bfloat16", "--prefixes", "40", "--sizes", "5", "--repeats", "2", "--evict-mib", "0",
+         "--block-size", "32"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| bfloat16 | 40 | 5 | bushy |" in proc.stdout
+
+
 def test_block_size_mismatch_is_an_error():
     b = _batch(_requests(32), 32, 64, torch.float32)
     vb = VirtualBatch.build(b.plan, b.meta, 64, b.free)
