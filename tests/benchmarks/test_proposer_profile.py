@@ -15,6 +15,7 @@ def test_profile_prints_step_work_and_the_timed_pieces(capsys, tmp_path):
                            "--out", str(tmp_path / "profile.json")])
     out = capsys.readouterr().out
     assert "RECAP work per step: p50" in out
+    assert "without prompt seeding: p50" in out and "that seeded prompt rows:" in out
     # the pieces every decode step runs were timed, with calls counted
     for name in ("_advance", "topk_rows", "drafter.observe", "node_tokens_of_rows"):
         line = next(x for x in out.splitlines() if x.strip().startswith(name + " "))
@@ -22,6 +23,9 @@ def test_profile_prints_step_work_and_the_timed_pieces(capsys, tmp_path):
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["steps"] > 0 and saved["work_ms"]["p50"] > 0 and saved["model"] == "smollm2"
     assert saved["pieces"]["_advance"]["calls"] > 0
+    # seeding is part of the work, so the work without it is no larger
+    assert 0 < saved["work_without_seeding_ms"]["mean"] <= saved["work_ms"]["mean"]
+    assert 0 <= saved["p99_steps"]["seeded"] <= saved["p99_steps"]["steps"] > 0
     # both prompts ran in one batch: a decode step advances two requests
     assert saved["concurrency"] == 2
     assert saved["pieces"]["_advance"]["calls"] > 1.5 * saved["steps"] - 4

@@ -31,6 +31,16 @@ def test_seeding_is_taken_out_and_shared_lm_head_steps_are_skipped():
     assert _run_step(clock, StepTiming()) is not None  # and the next one is again
 
 
+def test_each_steps_seeding_is_kept_next_to_its_work():
+    """The benchmarks tell the slow steps that computed prompt rows from the others."""
+    clock = StepClock()
+    for timing in (StepTiming(work=0.001), StepTiming(work=0.009, seeding=0.008),
+                   StepTiming(work=0.002)):
+        _run_step(clock, timing, pause=0.0)
+    assert list(clock.work_seconds) == [0.001, 0.009, 0.002]
+    assert list(clock.seeding_seconds) == [0.0, 0.008, 0.0]
+
+
 def test_a_step_reports_whether_it_verified_a_tree():
     """The budget prices tree steps and chain steps from separate tables."""
     clock = StepClock()

@@ -25,10 +25,13 @@ class StepClock:
     Attributes:
         work_seconds: RECAP's work per engine step (layout, rows, acceptance, memory updates,
             drafting), the last 4096 steps, for the benchmarks' p50/p99 proposer cost.
+        seeding_seconds: the prompt-seeding part of each of those steps (same steps, same
+            order): which of the slow steps are the ones that computed prompt rows.
     """
 
     def __init__(self, history: int = 4096) -> None:
         self.work_seconds: deque[float] = deque(maxlen=history)
+        self.seeding_seconds: deque[float] = deque(maxlen=history)
         self._begin: float | None = None
         self._end = 0.0
         self._tokens = 0
@@ -79,6 +82,7 @@ class StepClock:
         self._shared = timing.shared_lm_head
         self._work = max(0.0, timing.work - timing.seeding)
         self.work_seconds.append(timing.work)
+        self.seeding_seconds.append(timing.seeding)
 
 
 class LmHeadTimes:

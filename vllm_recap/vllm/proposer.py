@@ -111,6 +111,7 @@ class RecapProposer:
         """Forgets step timings and tree metrics (benchmarks call this after a warm-up)."""
         driver = self.recap_hooks
         driver.clock.work_seconds.clear()
+        driver.clock.seeding_seconds.clear()
         driver.metrics = TreeMetrics()
 
     @property
@@ -127,6 +128,11 @@ class RecapProposer:
     def step_seconds(self):
         """RECAP's own work per engine step (seconds), the last 4096 steps."""
         return self.recap_hooks.clock.work_seconds
+
+    @property
+    def seeding_seconds(self):
+        """The prompt-seeding part of each of ``step_seconds``' steps (seconds)."""
+        return self.recap_hooks.clock.seeding_seconds
 
     @property
     def num_spec_tokens(self) -> int:
