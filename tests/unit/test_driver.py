@@ -476,6 +476,75 @@ def test_prompt_rows_per_step_are_shared_out_among_decoding_requests():
     assert small.rows_this_step(plan(16, 1)) == 4  # never above the model's own bound
 
 
+def test_prompt_rows_per_step_are_kept_within_their_measured_time():
+    """On one CPU rank the bound also keeps a step's rows within ``seconds_per_step`` by the
+    seconds per row measured in earlier seeding steps: 23 rows a step of Gemma-3-270M's
+    262k-wide rows made 5-10 ms steps, all of the proposer's p99 at batch 1."""
+    from types import SimpleNamespace
+
+    from vllm_recap.vllm.seeding import MIN_ROWS_PER_STEP, PromptSeeder, seconds_per_step
+
+    def plan(decoding, prefilling):
+        return SimpleNamespace(num_computed=np.array([50] * decoding + [0] * prefilling),
+                               num_prompt=np.array([40] * decoding + [60] * prefilling))
+
+    seeder = PromptSeeder(256, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=128,
+                          seconds_per_step=0.002)
+    assert seeder.rows_this_step(plan(1, 1)) == 128  # nothing measured yet: the row bound
+    seeder.observe(0, 0.5)  # a step without rows measures nothing
+    assert seeder.row_seconds is None
+    seeder.observe(20, 0.004)  # 0.2 ms a row: 10 rows fit in 2 ms
+    assert seeder.rows_this_step(plan(1, 1)) == 10
+    assert seeder.rows_this_step(plan(4, 1)) == MIN_ROWS_PER_STEP  # shared out, floored
+    seeder.observe(10, 0.010)  # dearer rows: the moving estimate rises (1 ms a row)
+    assert seeder.row_seconds == pytest.approx(0.0002 + 0.25 * (0.001 - 0.0002))
+    assert seeder.rows_this_step(plan(1, 1)) == MIN_ROWS_PER_STEP
+    for _ in range(40):
+        seeder.observe(100, 0.001)  # cheap rows: up to the row bound again, never above
+    assert seeder.rows_this_step(plan(1, 1)) == 128
+    untimed = PromptSeeder(256, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=128)
+    untimed.observe(10, 0.010)
+    assert untimed.rows_this_step(plan(1, 1)) == 128
+    # measured only where every rank would measure the same: one CPU rank
+    assert seconds_per_step(True, 1) == 0.002
+    assert seconds_per_step(True, 2) is None and seconds_per_step(False, 1) is None
+
+
+def test_the_driver_times_each_seeding_step_for_the_seeder():
+    """Every step that computes prompt rows reports their rows and seconds (all its seeding
+    time: choosing, the rows' share of the LM-head call, top-K), and later steps stay within
+    the time bound; output is the reference's."""
+    from vllm_recap.vllm.seeding import MIN_ROWS_PER_STEP, PromptSeeder
+
+    engine = _engine(chunk=64)
+    driver = engine.drivers[0]
+    # any measured row is too dear for this bound: every step after the first seeding step
+    # computes MIN_ROWS_PER_STEP rows at most
+    driver.seeder = PromptSeeder(32, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=30,
+                                 seconds_per_step=1e-9)
+    per_step, observed = [], []
+    plan, observe = driver.seeder.plan, driver.seeder.observe
+
+    def planned(*args):
+        step = plan(*args)
+        per_step.append(0 if step is None else step.num_rows)
+        return step
+
+    def observed_(rows, seconds):
+        observed.append((rows, seconds))
+        observe(rows, seconds)
+
+    driver.seeder.plan, driver.seeder.observe = planned, observed_
+    _add_all(engine, 24)
+    out = engine.run()
+    seeded = [rows for rows in per_step if rows]
+    assert [rows for rows, _ in observed] == seeded  # every seeding step, once
+    assert all(seconds > 0 for _, seconds in observed)
+    assert seeded[0] == 30 and max(seeded[1:]) == MIN_ROWS_PER_STEP
+    assert driver.seeder.rows_seeded == sum(min(32, len(set(p))) for p in PROMPTS.values())
+    assert out == _reference(engine.target, 24)
+
+
 def test_waiting_prompt_rows_are_freed_with_an_aborted_request():
     from vllm_recap.vllm.seeding import PromptSeeder
 

@@ -112,6 +112,9 @@ class DriverSettings:
             a chain).
         seed_rows_per_step: most prompt rows computed per step (see
             :func:`~vllm_recap.vllm.seeding.rows_per_step`).
+        seed_seconds_per_step: also keep a step's prompt rows within this many seconds, by
+            their measured cost (None: the row bound alone; see
+            :class:`~vllm_recap.vllm.seeding.PromptSeeder`).
         eager: the model runs without a compiled graph (tree K/V may be stashed as views:
             ``StepContext.kv_views``).
     """
@@ -121,6 +124,7 @@ class DriverSettings:
     blocked: np.ndarray
     tree_mode: bool
     seed_rows_per_step: int = MAX_ROWS_PER_STEP
+    seed_seconds_per_step: float | None = None
     eager: bool = False
 
 
@@ -159,7 +163,7 @@ class StepDriver:
         self.clock = StepClock()
         self.lm_head = LmHeadTimes()
         self.seeder = PromptSeeder(config.prompt_seed_rows, config.top_k, settings.blocked,
-                                   settings.seed_rows_per_step)
+                                   settings.seed_rows_per_step, settings.seed_seconds_per_step)
         self.budget = BudgetController(settings.num_spec_tokens, config.depth_discounts)
         self.adaptive = config.budget_policy is BudgetPolicy.ADAPTIVE
         self.metrics = TreeMetrics()
@@ -512,6 +516,8 @@ class StepDriver:
         self.metrics.maybe_log(len(self.records), self.drafter.acceptance_snapshot)
         self._note_idle()
         ctx.timing.work += time.perf_counter() - t0
+        if ctx.seeding is not None:  # what this step's prompt rows cost, all parts
+            self.seeder.observe(ctx.seeding.num_rows, ctx.timing.seeding)
         self.clock.step_finished(ctx.timing)
         return drafts
 

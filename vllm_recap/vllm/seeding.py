@@ -17,9 +17,10 @@ graphs run no Python hooks; a call of an unexpected shape), :meth:`PromptSeeder.
 computes them with a call of their own. At most ``max_rows_per_step`` rows are computed per
 step over the batch (on a CPU a multiply-add budget, :func:`rows_per_step`), shared out among
 the step's decoding requests (:meth:`PromptSeeder.rows_this_step`); the others wait,
-as copies of their hidden states, for the next steps. The bound depends on the model only, so
-every tensor-parallel rank seeds the same rows. Rows reach the drafter when the request starts
-decoding, or at once if it already has.
+as copies of their hidden states, for the next steps. On a CPU with one tensor-parallel rank
+the bound also keeps a step's rows within ``SEED_SECONDS_PER_STEP`` by their measured cost;
+with several ranks it depends on the model only, so every rank seeds the same rows. Rows
+reach the drafter when the request starts decoding, or at once if it already has.
 """
 from __future__ import annotations
 
@@ -48,6 +49,15 @@ from vllm_recap.vllm.verifier import topk_rows
 CPU_SEED_MACS_PER_STEP = 4e9
 MIN_ROWS_PER_STEP = 8
 MAX_ROWS_PER_STEP = 128
+# ... and, where the engine runs on one CPU rank, a time bound measured as it runs: a row costs
+# its LM-head row, its logits (V floats written and read) and a top-K over them -- on the Intel
+# Xeon (bf16) ~0.02 ms for SmolLM2 but 0.2-0.35 ms for Gemma-3-270M (262k vocabulary), whose 23
+# rows a step (the multiply-add budget) made 5-10 ms steps; and ~0.07 ms for SmolLM2 in
+# float32, whose 128 rows made 9-11 ms steps. Those steps were all of the proposer's p99 at
+# batch 1 (SmolLM2 bf16 4.3 ms, 2.3 without seeding; float32 10.8 / 2.7; Gemma-3-270M 12.8 /
+# 3.7; 13 Spec-Bench prompts x 128, `benchmarks.proposer_profile`, 2026-12-06).
+SEED_SECONDS_PER_STEP = 2e-3
+ROW_SECONDS_WEIGHT = 0.25  # of each seeding step's seconds per row in the moving estimate
 
 
 def rows_per_step(vocab: int, hidden: int, on_cpu: bool) -> int:
@@ -57,6 +67,14 @@ def rows_per_step(vocab: int, hidden: int, on_cpu: bool) -> int:
         return MAX_ROWS_PER_STEP
     rows = int(CPU_SEED_MACS_PER_STEP // max(1, vocab * hidden))
     return max(MIN_ROWS_PER_STEP, min(MAX_ROWS_PER_STEP, rows))
+
+
+def seconds_per_step(on_cpu: bool, tensor_parallel: int) -> float | None:
+    """The time bound of a step's prompt rows (see ``SEED_SECONDS_PER_STEP``): on one CPU
+    rank only, None otherwise -- tensor-parallel ranks must seed the same rows (a measured
+    bound differs from rank to rank), and a device's host-side timing does not see its
+    kernels (the LM head over rows costs next to nothing there)."""
+    return SEED_SECONDS_PER_STEP if on_cpu and tensor_parallel == 1 else None
 
 
 @dataclass
@@ -94,16 +112,40 @@ class PromptSeeder:
         blocked: [V] bool, tokens never seeded (image/video placeholders).
         max_rows_per_step: most rows computed per engine step over all requests (see
             :func:`rows_per_step`); chosen rows beyond it wait for the next steps.
+        seconds_per_step: also keep a step's rows within this many seconds, by the seconds
+            per row measured in earlier seeding steps (:meth:`observe`); None: the row bound
+            alone (tensor-parallel ranks must seed the same rows, and a device's host-side
+            timing does not see its kernels).
     """
 
     def __init__(self, max_rows: int, top_k: int, blocked: np.ndarray,
-                 max_rows_per_step: int = MAX_ROWS_PER_STEP) -> None:
+                 max_rows_per_step: int = MAX_ROWS_PER_STEP,
+                 seconds_per_step: float | None = None) -> None:
         self.max_rows = max_rows
         self.top_k = top_k
         self.blocked = blocked
         self.max_rows_per_step = max_rows_per_step
+        self.seconds_per_step = seconds_per_step
+        self.row_seconds: float | None = None  # moving seconds per row of seeding steps
         self.rows_seeded = 0
         self.fused_rows = 0  # rows that rode along with a step's own LM-head call
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step computed ``rows`` prompt rows in ``seconds`` (its seeding time, all of it)."""
+        if rows <= 0:
+            return
+        per_row = seconds / rows
+        old = self.row_seconds
+        self.row_seconds = per_row if old is None else old + ROW_SECONDS_WEIGHT * (per_row - old)
+
+    def step_bound(self) -> int:
+        """Most rows this step over the batch: ``max_rows_per_step``, and where a time bound
+        is set and rows were measured, the rows that fit in ``seconds_per_step`` (at least
+        ``MIN_ROWS_PER_STEP``)."""
+        if self.seconds_per_step is None or not self.row_seconds:
+            return self.max_rows_per_step
+        fit = int(self.seconds_per_step / self.row_seconds)
+        return min(self.max_rows_per_step, max(MIN_ROWS_PER_STEP, fit))
 
     def plan(self, plan: StepPlan, token_ids: np.ndarray, records: RequestBook
              ) -> SeedStep | None:
@@ -129,14 +171,15 @@ class PromptSeeder:
         return SeedStep(picks, min(room, sum(len(p) for _, p in picks)), waiting)
 
     def rows_this_step(self, plan: StepPlan) -> int:
-        """``max_rows_per_step`` divided among the step's decoding requests (at least
+        """:meth:`step_bound` divided among the step's decoding requests (at least
         ``MIN_ROWS_PER_STEP``): a seeding step stalls every one of them, while its rows serve
         one request's drafts. At concurrency 16 (bf16 SmolLM2, 2-core EPYC) the steps that
         seeded 128 rows ran 33-55 ms against 22-25 ms without (the steps right after a burst
         of arrivals), for drafts that under load pay little (see the comment above)."""
+        bound = self.step_bound()
         decoding = int(np.count_nonzero(plan.num_computed >= plan.num_prompt))
-        share = self.max_rows_per_step // max(1, decoding)
-        return min(self.max_rows_per_step, max(MIN_ROWS_PER_STEP, share))
+        share = bound // max(1, decoding)
+        return min(bound, max(MIN_ROWS_PER_STEP, share))
 
     def choose(self, plan: StepPlan, token_ids: np.ndarray, records: RequestBook
                ) -> list[tuple[int, np.ndarray]]:
