@@ -114,8 +114,7 @@ class PromptSeeder:
             :func:`rows_per_step`); chosen rows beyond it wait for the next steps.
         seconds_per_step: also keep a step's rows within this many seconds, by the seconds
             per row measured in earlier seeding steps (:meth:`observe`); None: the row bound
-            alone (tensor-parallel ranks must seed the same rows, and a device's host-side
-            timing does not see its kernels).
+            alone (where and why: :func:`seconds_per_step`).
     """
 
     def __init__(self, max_rows: int, top_k: int, blocked: np.ndarray,
