@@ -1,16 +1,19 @@
 """Seams on the request path.
 
-- ``SamplingParams._validate_spec_decode`` (front end): a structured-output request sent to a
-  RECAP engine is refused with a clear error (drafts are trees; vLLM's grammar checks chains).
 - ``NewRequestData.from_request`` (engine core): carries the request's ``cache_salt`` to the
   worker, where RECAP partitions its persistent memory by it (the same isolation key vLLM's
   prefix cache uses).
+
+Structured-output requests (JSON schema, regex, grammar, choice) need no seam: they are never
+tree-eligible (:mod:`vllm_recap.vllm.eligibility`), so RECAP sends them a single path, and
+vLLM's own structured-output machinery does for it what it does for n-gram drafts -- the
+scheduler cuts the drafts at the first token the grammar rejects, and the grammar's mask is
+applied to every draft position's logits before verification.
 """
 from __future__ import annotations
 
-from vllm_recap.patches import target, wrap
+from vllm_recap.patches import target
 
-VALIDATE = "SamplingParams._validate_spec_decode"
 SALT = "NewRequestData.from_request"
 
 
@@ -23,26 +26,7 @@ def is_recap(speculative_config) -> bool:
 
 
 def install() -> None:
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import NewRequestData
-
-    def make_validate(original):
-        def _validate_spec_decode(self, speculative_config):
-            original(self, speculative_config)
-            if is_recap(speculative_config) and getattr(self, "structured_outputs", None) is not None:
-                from vllm.exceptions import VLLMValidationError
-
-                raise VLLMValidationError(
-                    "Structured outputs (JSON schema, regex, grammar, choice) are not supported "
-                    "with speculative method 'recap'. Send this request to an engine without "
-                    "speculative decoding, or drop structured_outputs from the request.",
-                    parameter="structured_outputs",
-                )
-
-        return _validate_spec_decode
-
-    wrap(SamplingParams, "_validate_spec_decode", VALIDATE, ["self", "speculative_config"],
-         make_validate)
 
     target_fn = NewRequestData.from_request  # bound classmethod: wrap its function
     if getattr(target_fn, "__recap_seam__", None) != SALT:

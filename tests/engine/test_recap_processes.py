@@ -107,14 +107,32 @@ def _chat_with_image(url: str, model: str) -> dict:
     return response.json()
 
 
+def _chat_json(url: str, model: str) -> str:
+    """A chat answer under OpenAI's ``response_format`` JSON schema (vLLM's structured outputs)."""
+    import httpx
+
+    schema = {"type": "object", "required": ["colour", "count"], "properties": {
+        "colour": {"type": "string"}, "count": {"type": "integer"}}}
+    body = {"model": model, "temperature": 0, "max_tokens": 40,
+            "messages": [{"role": "user", "content": "Describe the image's colours as JSON."}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "colours", "schema": schema}}}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
 def test_vllm_serve_openai_chat_with_image_identical(tiny_qwen2_vl, tmp_path):
-    answers = []
+    """Also a JSON-schema request: served (as single paths) and identical, where RECAP refused
+    it before 2026-12-06."""
+    answers, json_answers = [], []
     for name, spec in (("plain", None), ("recap", {"method": "recap"})):
         log = tmp_path / f"{name}.log"
         proc, url = _serve(tiny_qwen2_vl, spec, log)
         try:
             _wait_ready(proc, url, log)
             answers.append(_chat_with_image(url, tiny_qwen2_vl))
+            json_answers.append(_chat_json(url, tiny_qwen2_vl))
             metrics = __import__("httpx").get(url + "/metrics", timeout=10).text
         finally:
             proc.terminate()
@@ -125,6 +143,7 @@ def test_vllm_serve_openai_chat_with_image_identical(tiny_qwen2_vl, tmp_path):
     plain, recap = (a["choices"][0]["message"]["content"] for a in answers)
     assert answers[1]["usage"]["completion_tokens"] == answers[0]["usage"]["completion_tokens"] == 32
     assert recap == plain
+    assert json_answers[1] == json_answers[0] and json_answers[0].lstrip().startswith("{")
 
 
 TP2_SCRIPT = """

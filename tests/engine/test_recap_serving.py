@@ -1,10 +1,11 @@
 """RECAP under serving conditions: concurrency with an abort, chunked prefill, a mixed greedy
-and sampled batch, preemption, cache-salt isolation, and refused request features."""
+and sampled batch, preemption, cache-salt isolation, structured outputs, and bad knobs."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from benchmarks.harness import spec_counters
 from tests.conftest import make_llm
 from tests.engine.recap_support import generate_ids, oracle_drafts, recap_proposer
 
@@ -118,18 +119,54 @@ def test_cache_salt_partitions_persistent_memory(tiny_qwen2):
     assert stats["u_partitions"] == 0 and stats["u_tables"] == 0
 
 
-def test_structured_output_is_refused_with_clear_message(tiny_qwen2):
+def test_structured_outputs_are_served_as_single_paths_identical_to_no_speculation(smollm2):
+    """JSON schema, choice and regex requests, alone and in one batch with plain requests that
+    verify trees: RECAP drafts them single paths, vLLM's grammar cuts and masks those drafts,
+    and every output equals decoding without speculation (float32). Before 2026-12-06 such
+    requests were refused."""
+    from transformers import AutoTokenizer
     from vllm import SamplingParams
-    from vllm.exceptions import VLLMValidationError
-    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.sampling_params import StructuredOutputsParams as SO
 
-    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
-    with make_llm(tiny_qwen2, speculative_config={"method": "recap"}) as llm:
-        with pytest.raises(VLLMValidationError, match=r"Structured outputs .* not supported with "
-                                                      r"speculative method 'recap'"):
-            llm.generate(["Pick one"], params, use_tqdm=False)
-        # the engine keeps serving after the refusal
-        assert len(generate_ids(llm, [[1, 2, 3]], _greedy(4))[0]) == 4
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    chat = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                    add_generation_prompt=True) for q in (
+        "Describe Alice Smith, a 31-year-old engineer who knows Python, Rust and SQL, as JSON.",
+        "Give a JSON record of Bob Jones, 45, skilled in carpentry, plumbing and painting.",
+        "Is the sky blue? Answer yes or no.",
+        "Write the phone number 555-0123 five times, separated by commas.",
+        "Write a short poem about the sea.", "Explain what a hash table is.")]
+    chat = [list(getattr(c, "input_ids", c)) for c in chat]
+    schema = {"type": "object", "required": ["name", "age", "skills"], "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"},
+        "skills": {"type": "array", "items": {"type": "string"}}}}
+    grammars = [SO(json=schema), SO(json=schema), SO(choice=["yes", "no"]),
+                SO(regex=r"(\d{3}-\d{4}, ){4}\d{3}-\d{4}")]
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=g)
+              for g in grammars] + [_greedy(48)] * 2
+
+    def run(llm, n):
+        return [list(o.outputs[0].token_ids)
+                for o in llm.generate(chat[:n], params[:n], use_tqdm=False)]
+
+    with make_llm(smollm2) as llm:
+        reference = run(llm, len(chat))
+    with make_llm(smollm2, speculative_config=TREES) as llm:
+        alone = run(llm, len(grammars))
+        alone_stats, alone_counters = dict(recap_proposer(llm).stats), spec_counters(llm)
+        mixed = run(llm, len(chat))
+        stats = recap_proposer(llm).stats
+        choice = SO(choice=["yes", "no", "maybe so"])
+        sampled = llm.generate(chat, SamplingParams(temperature=1.0, max_tokens=8,
+                                                    structured_outputs=choice), use_tqdm=False)
+        partitions = recap_proposer(llm).drafter.memory_stats()["u_partitions"]
+    assert alone == reference[:len(grammars)] and mixed == reference
+    assert tok.decode(reference[2], skip_special_tokens=True) in ("yes", "no")  # grammars held
+    assert {o.outputs[0].text for o in sampled} <= {"yes", "no", "maybe so"}  # sampled too
+    # drafts of the grammar-bound requests were verified (and accepted), never as trees
+    assert alone_counters["accepted_tokens"] > 0 and alone_stats["tree_requests"] == 0
+    assert stats["tree_requests"] > 0  # the plain requests verified trees beside them
+    assert partitions == 2  # grammar-bound rows learn apart from free text (one salt)
 
 
 @pytest.mark.parametrize("spec, message", [

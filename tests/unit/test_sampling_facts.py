@@ -26,3 +26,30 @@ def test_logprobs_and_chain_only_fields():
     assert SamplingFacts.of(SamplingParams(temperature=0.0, logprobs=2)).logprobs
     assert not SamplingFacts.of(SamplingParams(temperature=0.0, prompt_logprobs=1)).trees
     assert not SamplingFacts.of(SamplingParams(temperature=0.0, extra_args={"x": 1})).trees
+
+
+def test_structured_output_requests_are_single_paths_in_their_own_memory_partition():
+    """A grammar-bound request verifies single paths (vLLM's grammar checks chains only) and
+    learns into its own partition of its cache salt, so free-text requests of that salt never
+    draft from rows taken under a grammar mask; a salt string cannot name that partition."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_recap.core.config import RecapConfig
+    from vllm_recap.core.drafter import Drafter
+    from vllm_recap.vllm.records import GrammarPartition, RequestBook, partition_key
+
+    grammar = SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    plain = SamplingParams(temperature=0.0)
+    assert not SamplingFacts.of(grammar).trees
+    assert partition_key("tenant", grammar) == GrammarPartition("tenant") != "tenant"
+    assert partition_key(None, grammar) == GrammarPartition(None) != partition_key(None, plain)
+    assert partition_key("tenant", plain) == "tenant" and partition_key(None, None) is None
+    book = RequestBook(Drafter(RecapConfig(), vocab_size=64))
+    book.apply(SimpleNamespace(
+        finished_req_ids=(), preempted_req_ids=(), scheduled_cached_reqs=SimpleNamespace(),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, recap_cache_salt="t", sampling_params=p)
+                            for r, p in (("g", grammar), ("f", plain))]))
+    assert book.get("g").salt == GrammarPartition("t") and book.get("f").salt == "t"

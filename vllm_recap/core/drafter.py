@@ -22,7 +22,7 @@ per source and evidence cell. `acceptance_snapshot` gives the per-source, per-de
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class _Request:
                  "index", "index_gen", "index_match", "pending", "verified")
 
     def __init__(self, history: list[int], ctx: ContextStore | None, unigram: UnigramTable,
-                 salt: str | None, memories: tuple) -> None:
+                 salt: Hashable, memories: tuple) -> None:
         self.history = history
         self.sam: SuffixAutomaton | None = None
         self.ctx = ctx
@@ -153,7 +153,7 @@ class Drafter:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, req_id: str, prompt_tokens: Sequence[int],
-              prompt_rows: tuple[np.ndarray, ...] | None = None, salt: str | None = None) -> None:
+              prompt_rows: tuple[np.ndarray, ...] | None = None, salt: Hashable = None) -> None:
         """Registers a request whose history is its prompt.
 
         Args:
@@ -163,7 +163,8 @@ class Drafter:
                 target's top-K prediction after prompt[:positions[i] + 1], stored under the
                 contexts ending at prompt[positions[i]]. Without positions, rows are for
                 positions 0..m-1 (m <= p). Lets an engine pass rows for a subset of positions.
-            salt: persistent-U partition (vLLM's cache_salt); None = the default partition.
+            salt: persistent-U and shared-index partition (vLLM's cache_salt, or any other
+                hashable key the engine partitions by); None = the default partition.
 
         Raises:
             ValueError: double start, empty prompt, ids out of range, malformed rows.
@@ -404,7 +405,7 @@ class Drafter:
         """The drafter's calibration table (shared by all its requests)."""
         return self._calibration
 
-    def shared_index(self, salt: str | None = None) -> SharedIndex | None:
+    def shared_index(self, salt: Hashable = None) -> SharedIndex | None:
         """The shared continuation index of a partition (None when it is off)."""
         return self._shared.get(salt) if self._shared is not None else None
 

@@ -42,10 +42,12 @@ _ALSO_ALLOWED = {"watermarking": (None, False)}
 def tree_unsupported_reason(params) -> str | None:
     """None when every field of ``params`` has a value trees reproduce exactly, else a reason.
 
-    Unsupported today: structured_outputs, logprob_token_ids, prompt_logprobs (and its
-    prompt_logprob_* companions: not verified alongside tree rows), extra_args (custom
-    samplers may read it), thinking_token_budget, trace_decode_token_ids, watermarking=True,
-    and any field added by a later vLLM that is not at its default.
+    Unsupported today: structured_outputs (vLLM's grammar validates and masks the drafts of
+    a single path, position after position: a tree's siblings are no sequence it can check),
+    logprob_token_ids, prompt_logprobs (and its prompt_logprob_* companions: not verified
+    alongside tree rows), extra_args (custom samplers may read it), thinking_token_budget,
+    trace_decode_token_ids, watermarking=True, and any field added by a later vLLM that is not
+    at its default.
     """
     if params is None:
         return "no sampling params"

@@ -7,8 +7,9 @@ step in which vLLM did not call the proposer is caught up from vLLM's own token 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -58,12 +59,33 @@ class PromptSeed:
         return rows
 
 
+class GrammarPartition(NamedTuple):
+    """The persistent-memory partition of structured-output requests with this ``cache_salt``.
+
+    Their rows come from logits under the request's grammar mask (a JSON string's next
+    character, a forced quote): true of that request, not of free text after the same token.
+    Kept apart, free-text requests never draft from them (and grammar-bound requests share
+    what they learn with each other). A tuple type, so no salt string can name it.
+    """
+
+    salt: str | None
+
+
+def partition_key(salt: str | None, params: Any) -> Hashable:
+    """The persistent-memory partition of a new request: its ``cache_salt``, or the grammar
+    partition of that salt when the request asks for structured outputs."""
+    if getattr(params, "structured_outputs", None) is not None:
+        return GrammarPartition(salt)
+    return salt
+
+
 @dataclass
 class RequestRecord:
     """Adapter state of one request.
 
     Attributes:
-        salt: vLLM's ``cache_salt`` (persistent-memory partition), None if unsalted.
+        salt: its persistent-memory partition (:func:`partition_key`: vLLM's ``cache_salt``,
+            None if unsalted, or that salt's :class:`GrammarPartition`).
         proposal: the full tree proposed for the request's next step; consumed when that
             step is laid out.
         laid: the subtree whose drafts this rank sent, in depth-first order (see
@@ -76,7 +98,7 @@ class RequestRecord:
         history: its prompt and output as penalties read them, kept between steps.
     """
 
-    salt: str | None = None
+    salt: Hashable = None
     proposal: DraftTree | None = None
     laid: DraftTree | None = None
     num_committed: int = 0
@@ -109,7 +131,8 @@ class RequestBook:
             self.stop(req_id, keep_salt=True)
         for new in scheduler_output.scheduled_new_reqs:
             self.stop(new.req_id, keep_salt=False)
-            self._records[new.req_id] = RequestRecord(salt=getattr(new, "recap_cache_salt", None))
+            self._records[new.req_id] = RequestRecord(salt=partition_key(
+                getattr(new, "recap_cache_salt", None), getattr(new, "sampling_params", None)))
 
     def get(self, req_id: str) -> RequestRecord:
         """The request's record (created empty for a request first seen mid-flight)."""
