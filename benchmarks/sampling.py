@@ -11,6 +11,10 @@ each job in a fresh process, and is paired against ``none`` under the SAME setti
 - ``qwen_text``: the Qwen2.5 text models' settings: temperature 0.7, top_p 0.8, top_k 20,
   repetition_penalty 1.05 (sampled).
 - ``t1``: temperature 1.0 (sampled).
+- ``json``: greedy under JSON mode -- vLLM's structured outputs with any JSON object allowed
+  (what an OpenAI ``response_format`` of ``json_object`` sends). RECAP verifies such requests
+  as single paths, whose drafts vLLM's grammar cuts and masks. A JSON answer ends where its
+  object closes, so this setting always stops at EOS (``ignore_eos`` is not applied).
 
 Sampled settings give every request a fixed seed derived from the run's base seed and the
 prompt id (the same for every method), so a method's tokens repeat run to run where vLLM
@@ -50,6 +54,8 @@ SAMPLINGS: dict[str, Sampling] = {s.name: s for s in (
     Sampling("qwen_text", {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
              False, "Qwen2.5 text models' recommended settings (sampled)"),
     Sampling("t1", {"temperature": 1.0}, False, "temperature 1.0 (sampled)"),
+    Sampling("json", {"temperature": 0.0, "structured_outputs": {"json_object": True}}, True,
+             "greedy in JSON mode (structured outputs, any JSON object; stops at EOS)"),
 )}
 
 
@@ -105,4 +111,10 @@ def sampling_params(job_setting: dict | None, max_tokens: int, ignore_eos: bool,
     setting = job_setting or job_sampling(GREEDY, -1)
     seed = request_seed(setting.get("seed"), prompt_id) if prompt_id is not None else None
     extra = {"seed": seed} if seed is not None else {}
-    return SamplingParams(**setting["params"], max_tokens=max_tokens, ignore_eos=ignore_eos, **extra)
+    params = dict(setting["params"])
+    if "structured_outputs" in params:  # plain data in the job: vLLM's object here
+        from vllm.sampling_params import StructuredOutputsParams
+
+        params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
+        ignore_eos = False  # the grammar ends the answer (see the module docstring)
+    return SamplingParams(**params, max_tokens=max_tokens, ignore_eos=ignore_eos, **extra)

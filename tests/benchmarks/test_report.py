@@ -249,7 +249,7 @@ def test_sampling_settings_parse_seed_and_job_data():
                                            "repetition_penalty": 1.05}
     assert SAMPLINGS["qwen_text"].params == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
                                              "repetition_penalty": 1.05}
-    assert [n for n, s in SAMPLINGS.items() if s.deterministic] == ["greedy", "qwen_vl"]
+    assert [n for n, s in SAMPLINGS.items() if s.deterministic] == ["greedy", "qwen_vl", "json"]
     # a request's seed depends on the base seed and the prompt only (same for every method)
     assert request_seed(0, "sb1") == request_seed(0, "sb1") != request_seed(0, "sb2")
     assert request_seed(1, "sb1") != request_seed(0, "sb1") and 0 <= request_seed(0, "sb1") < 2**31
@@ -271,6 +271,10 @@ def test_sampling_params_of_a_job():
     assert text.seed == request_seed(3, "sb7") and text.max_tokens == 8 and not text.ignore_eos
     assert sampling_params(job_sampling("qwen_text", 3), 8, False).seed is None  # no prompt: no seed
     assert sampling_params(job_sampling("qwen_vl", 3), 8, False, "sb7").seed is None
+    # JSON mode: vLLM's structured-outputs object from the job's plain data, stopping at EOS
+    json_mode = sampling_params(job_sampling("json", 3), 8, True, "sb7")
+    assert json_mode.structured_outputs.json_object and not json_mode.ignore_eos
+    assert json_mode.temperature == 0.0 and json_mode.seed is None
 
 
 class FakeTokenizer:
