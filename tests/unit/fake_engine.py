@@ -135,6 +135,9 @@ class FakeEngine:
         self._preempted: set[str] = set()
         self._resume: set[str] = set()
         self.skip_propose_steps: set[int] = set()
+        # The scheduler's check of a request's drafts (vLLM's structured-output manager cuts
+        # them at the first token its grammar rejects): (request id, drafts) -> the kept ones.
+        self.validate = lambda req_id, drafts: drafts
         self.step_count = 0
         self.off_chain_accepts = 0
         self.tree_steps = 0
@@ -237,7 +240,7 @@ class FakeEngine:
                 n = min(self.chunk, n_tok - req.num_computed)  # (re)prefill chunk
             else:
                 room = self.max_model_len - req.num_computed - 1
-                req.drafts = req.drafts[:max(0, room - 1)]
+                req.drafts = self.validate(rid, req.drafts[:max(0, room - 1)])
                 n = 1 + len(req.drafts)
                 drafts_of[rid] = list(req.drafts)
             req_ids.append(rid)

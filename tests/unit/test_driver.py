@@ -254,6 +254,43 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     assert driver.stats["tree_requests"] > 0 and driver.stats["resynced"] > 0
 
 
+def test_a_step_the_scheduler_cut_is_no_outcome_of_the_decision():
+    """The budget learns how its decisions come out (estimated seconds and accepted drafts of
+    the level it chose, against the step that ran). When the scheduler runs fewer drafts than
+    were sent -- vLLM's grammar cuts a structured-output request's drafts at the first token
+    it rejects -- the step is not the decision's: no outcome is recorded for it."""
+    from vllm_recap.core.budget import Decision
+
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config)
+    driver, budget = engine.drivers[0], engine.drivers[0].budget
+
+    def choose(trees, *args, **kwargs):  # 3 nodes a request, as a decision of the budget's
+        budget.last_counts, budget.last_choice, budget.last_chain = [3] * len(trees), 3, False
+        budget.last_decision = Decision(3 * len(trees), 0.01, 1.0)
+        return 3
+
+    budget.choose = choose
+    calls = iter(range(10**6))  # the scheduler keeps one draft of every third request-step
+    engine.validate = lambda rid, drafts: drafts[:1] if next(calls) % 3 == 0 else drafts
+    drafts_run: list[int] = []  # per step, the drafts it verified
+    outcomes: list[tuple[int, int]] = []  # (decided level, step whose start recorded it)
+    observe, begin = budget.observe_outcome, driver.begin_step
+    budget.observe_outcome = lambda d, *a: outcomes.append((d.level, len(drafts_run))) \
+        or observe(d, *a)
+
+    def begin_step(runner, so):
+        begin(runner, so)
+        drafts_run.append(int(driver.scope.current.plan.num_drafts.sum()))
+
+    driver.begin_step = begin_step
+    _add_all(engine, 40)
+    assert engine.run() == _reference(engine.target, 40)
+    # an outcome is recorded at the start of the step after the one it is of
+    assert outcomes and all(level == drafts_run[j - 1] for level, j in outcomes)
+    assert len(outcomes) < sum(1 for d in drafts_run if d)  # the cut steps recorded none
+
+
 def test_budget_decisions_and_idle_switches_are_logged_at_debug_level(caplog):
     """``VLLM_LOGGING_LEVEL=DEBUG`` shows every budget decision (what it weighed), how each
     drafted step's estimate came out, and every switch of the idle mode: what to read when

@@ -178,7 +178,8 @@ class StepContext:
         timing: RECAP's own work in this step.
         idle: RECAP skips its per-request work this step (see StepDriver._idle).
         decision: the budget's decision that scheduled this step's drafts (None: no drafts,
-            or a fixed budget), to learn how the step turned out against it.
+            a fixed budget, or the scheduler ran other drafts than decided), to learn how the
+            step turned out against it.
         seeding: this step's prompt rows (None: nothing to seed), computed in the step's own
             LM-head call where possible (see :mod:`vllm_recap.vllm.seeding`).
         kv_views: the stash may hold views of each layer's K/V instead of copies: the model

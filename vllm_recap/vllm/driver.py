@@ -228,8 +228,14 @@ class StepDriver:
                           batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n])
         rewrite_positions(runner.positions,
                           runner.mrope_positions.gpu if runner.uses_mrope else None, plan)
+        # The decision's outcome is learnt from this step only if it runs the drafts decided:
+        # the scheduler may run fewer (vLLM's grammar cuts a structured-output request's
+        # drafts at the first token it rejects), and then the step is not the decision's.
+        decision = self._decision
+        if decision is not None and decision.level != int(plan.num_drafts.sum()):
+            decision = None
         ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan, proposals),
-                          decision=self._decision if plan.num_drafts.any() else None,
+                          decision=decision,
                           kv_views=self.settings.eager and num_tokens <= KV_VIEWS_UP_TO)
         self._decision = None
         if ctx.idle != self._was_idle and logger.isEnabledFor(logging.DEBUG):
