@@ -214,7 +214,8 @@ class RecapConfig:
     ~1.3 MB per request at the default 8192 rows and K = 8. Range [16, 16777216]."""
 
     max_partitions: int = 16
-    """Most persistent U tables kept (one per cache_salt; least recently used evicted). Each is
+    """Most persistent U tables kept (one per partition: cache_salt, and in the vLLM adapter
+    one per salt for its structured-output requests; least recently used evicted). Each is
     a dense [vocab, K] table: vocab * (8 K + 4) bytes, ~3.3 MB for vocab 49152 at K = 8.
     Range [1, 4096]."""
 
