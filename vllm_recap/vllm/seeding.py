@@ -47,6 +47,10 @@ from vllm_recap.vllm.verifier import topk_rows
 # at a fixed budget, recap-tree-no-seed under the adaptive default (at concurrency 4, 9
 # interleaved rounds: no visible difference, 2026-12-03).
 CPU_SEED_MACS_PER_STEP = 4e9
+# The floor holds under the time bound too: a step's seeding time is a jump plus its rows (the
+# LM-head call's kernel changes with the joined row count), so fewer rows a step only makes
+# more slow steps -- floor 1 raised Gemma-3-270M's p99 from 6.2-6.3 to 6.8-7.5 ms (Intel
+# Xeon, bf16, `benchmarks/results/gemma-seed-floor-xeon_2026-12-06/`).
 MIN_ROWS_PER_STEP = 8
 MAX_ROWS_PER_STEP = 128
 # ... and, where the engine runs on one CPU rank, a time bound measured as it runs: a row costs
