@@ -60,7 +60,8 @@ def test_history_penalties_equal_fresh_penalties_step_after_step(data):
                           np.int64).reshape(m, k)
         history.sync(prompt, output)
         want_in, want_count = _direct(prompt, output, cand)
-        assert np.array_equal(history.in_prompt(cand), want_in)
+        assert np.array_equal(np.isin(cand, history.prompt_tokens), want_in)
+        assert history.prompt_tokens.tolist() == sorted(set(prompt))
         assert np.array_equal(history.output_counts(cand), want_count)
 
         values = np.asarray(data.draw(st.lists(st.floats(-30, 30, width=32), min_size=m * k,
@@ -95,7 +96,7 @@ def test_from_params_and_memory_state_sync_the_history():
     rs = RequestSampling.from_params(params, prompt, output, history=history)
     assert rs.history is history
     cand = np.array([[3, 7, 9]])
-    assert history.in_prompt(cand).tolist() == [[True, False, False]]
+    assert history.prompt_tokens.tolist() == [3, 4, 5]
     assert history.output_counts(cand).tolist() == [[0, 2, 0]]
     output.append(9)
     state = memory_state(params, prompt, output, history)

@@ -774,6 +774,105 @@ def test_sparse_penalties_equal_vllms_apply_penalties_bit_for_bit(data):
 
 @settings(max_examples=200, deadline=None)
 @given(st.data())
+def test_penalised_candidates_equal_vllms_apply_penalties_bit_for_bit(data):
+    """penalise_candidates (the compiled kernel, with and without a kept TokenHistory) == vLLM's
+    apply_penalties read at the candidates: prompt / output / path tokens with duplicates,
+    async -1 placeholders, zero, negative and -inf logits, several requests with their own
+    penalties, rows whose candidates repeat a token."""
+    from dataclasses import replace
+
+    from vllm.model_executor.layers.utils import apply_penalties
+
+    from vllm_recap.vllm.token_history import TokenHistory
+    from vllm_recap.vllm.tree_sampling import penalise_candidates
+
+    vocab = data.draw(st.integers(4, 40))
+    tok = st.integers(0, vocab - 1)
+    requests = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        prompt = data.draw(st.lists(tok, min_size=1, max_size=12))
+        output = data.draw(st.lists(st.one_of(tok, st.just(-1)), min_size=1, max_size=10))
+        pen = dict(repetition_penalty=data.draw(st.sampled_from([1.0, 1.05, 1.3, 0.8])),
+                   frequency_penalty=data.draw(st.sampled_from([0.0, 0.4, -0.6])),
+                   presence_penalty=data.draw(st.sampled_from([0.0, 0.5, -1.0])))
+        rs = RequestSampling(prompt, output, temperature=0.0, **pen)
+        if data.draw(st.booleans()):
+            history = TokenHistory()
+            history.sync(prompt, output)
+            rs = replace(rs, history=history)
+        requests.append(rs)
+    m, k = data.draw(st.integers(1, 8)), data.draw(st.integers(1, vocab))
+    owner = np.array(data.draw(st.lists(st.integers(0, len(requests) - 1), min_size=m,
+                                        max_size=m)), np.int64)
+    paths = [data.draw(st.lists(tok, max_size=4)) for _ in range(m)]
+    values = st.one_of(st.floats(-30, 30, width=32), st.sampled_from([0.0, -0.0, float("-inf")]))
+    logits = torch.tensor(data.draw(st.lists(values, min_size=m * vocab, max_size=m * vocab)),
+                          dtype=torch.float32).view(m, vocab)
+    ids = np.array([data.draw(st.lists(tok, min_size=k, max_size=k)) for _ in range(m)],
+                   np.int64)
+    got = penalise_candidates(logits.numpy()[np.arange(m)[:, None], ids], ids, owner, paths,
+                              requests)
+
+    def padded(rows):
+        width = max(1, max(len(r) for r in rows))
+        return torch.tensor([[t if t >= 0 else vocab for t in r] + [vocab] * (width - len(r))
+                             for r in rows])
+
+    rs_of = [requests[int(g)] for g in owner]
+    want = apply_penalties(
+        logits.clone(), padded([list(rs.prompt_token_ids) for rs in rs_of]),
+        padded([list(rs.output_token_ids) + list(p) for rs, p in zip(rs_of, paths)]),
+        torch.tensor([rs.presence_penalty for rs in rs_of], dtype=torch.float32),
+        torch.tensor([rs.frequency_penalty for rs in rs_of], dtype=torch.float32),
+        torch.tensor([rs.repetition_penalty for rs in rs_of], dtype=torch.float32))
+    expected = want.numpy()[np.arange(m)[:, None], ids]
+    assert np.array_equal(got.view(np.int32), expected.view(np.int32))  # bits: -0.0 too
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_ranked_candidates_equal_a_stable_sort(data):
+    """rank_candidates == a stable numpy sort by value (ties keep their order), the lowest id
+    among each row's maxima, the softmax over the ranked values, and "decided" exactly when
+    every row's maximum is above its bound."""
+    from vllm_recap.core.penalties import rank_candidates
+
+    m, k = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 9))
+    grid = st.sampled_from([-3.0, -0.5, 0.0, -0.0, 0.5, 1.0, 2.5, 4.0])
+    v = np.array(data.draw(st.lists(grid, min_size=m * k, max_size=m * k)),
+                 np.float32).reshape(m, k)
+    ids = np.array([data.draw(st.permutations(range(20)))[:k] for _ in range(m)], np.int64)
+    bound = np.array(data.draw(st.lists(grid, min_size=m, max_size=m)), np.float32)
+    mem_ids, mem_vals, probs, argmax, decided = rank_candidates(v, ids, bound)
+    order = np.argsort(-v, axis=1, kind="stable")
+    assert np.array_equal(mem_ids, np.take_along_axis(ids, order, 1))
+    assert np.array_equal(mem_vals, np.take_along_axis(v, order, 1))
+    best = v.max(axis=1)
+    assert argmax.tolist() == [int(ids[r][v[r] == best[r]].min()) for r in range(m)]
+    assert decided == bool(np.all(best > bound))
+    e = np.exp(mem_vals.astype(np.float64) - mem_vals[:, :1])
+    np.testing.assert_allclose(probs, e / e.sum(1, keepdims=True), rtol=1e-6)
+    assert rank_candidates(v, ids)[4]  # no bound: decided
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_values_are_the_logits_entries_exactly(dtype):
+    """The compiled gather from the rows' bits (CPU bfloat16 / float32) reads exactly the
+    entries torch indexing reads, negative values, zeros and -inf included."""
+    from vllm_recap.vllm.verifier import rows_values
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(7, 300, generator=g) * 20).to(dtype)
+    logits[2, 5], logits[3, 7], logits[4, 9] = -0.0, float("-inf"), 0.0
+    rows = np.array([2, 3, 4, 0, 6], np.int64)
+    ids = np.array([[5, 0, 299], [7, 1, 2], [9, 9, 8], [3, 4, 5], [100, 200, 250]], np.int64)
+    want = logits[torch.from_numpy(rows)[:, None], torch.from_numpy(ids)].float().numpy()
+    got = rows_values(logits, rows, ids)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
 def test_penalised_top_argmax_equals_whole_row_processing_when_decided(data):
     """The argmax from each row's raw top K == the argmax of vLLM's processed row whenever the
     function calls it decided (ties included: logits from a coarse grid), and it is decided

@@ -190,7 +190,42 @@ def topk_probs(bits: np.ndarray, k: int, bfloat16: bool) -> tuple[np.ndarray, np
     return ids, probs
 
 
+@njit(cache=True, nogil=True, boundscheck=False)
+def _gather_floats(bits, rows, ids, shift, out):  # pragma: no cover - compiled
+    """out[i, q] = the float32 of ``bits[rows[i], ids[i, q]]`` (bit pattern shifted left by
+    ``shift``: 16 for bfloat16, 0 for float32)."""
+    wide = np.empty(1, np.int32)
+    value = wide.view(np.float32)
+    for i in range(rows.shape[0]):
+        for q in range(ids.shape[1]):
+            wide[0] = np.int32(bits[rows[i], ids[i, q]]) << shift
+            out[i, q] = value[0]
+
+
+def gather_floats(bits: np.ndarray, rows: np.ndarray, ids: np.ndarray,
+                  bfloat16: bool) -> np.ndarray:
+    """Some entries of bfloat16 (``bits`` int16) or float32 (int32) rows, as float32.
+
+    Args:
+        bits: [R, V] the rows' bit patterns; rows: [M] int64 row indices; ids: [M, K] int64
+            entries per row.
+
+    Returns:
+        [M, K] float32, exactly the entries' values (bfloat16 widens exactly).
+    """
+    if (bits.dtype == np.int16) != bool(bfloat16) or bits.dtype not in (np.int16, np.int32):
+        raise TypeError(f"gather_floats: int16 bits are bfloat16 rows, int32 float32 rows; got "
+                        f"{bits.dtype} with bfloat16={bfloat16}")
+    rows = np.ascontiguousarray(rows, np.int64)
+    ids = np.ascontiguousarray(ids, np.int64)
+    out = np.empty(ids.shape, np.float32)
+    _gather_floats(bits, rows, ids, 16 if bfloat16 else 0, out)
+    return out
+
+
 def warmup() -> None:
     """Compiles (or loads from numba's cache) both specialisations."""
     for dtype in (np.int16, np.int32):
-        topk_probs(np.arange(-300, 300, dtype=dtype).reshape(2, 300), 3, dtype == np.int16)
+        bits = np.arange(-300, 300, dtype=dtype).reshape(2, 300)
+        topk_probs(bits, 3, dtype == np.int16)
+        gather_floats(bits, np.array([1]), np.array([[0, 5]]), dtype == np.int16)

@@ -29,6 +29,7 @@ import torch
 
 from vllm_recap.vllm.token_history import TokenHistory
 from vllm_recap.vllm.tree_sampling import RequestSampling, candidate_memory_rows
+from vllm_recap.vllm.verifier import rows_values
 
 
 def memory_state(params, prompt_token_ids: Sequence[int] | None,
@@ -64,8 +65,7 @@ def process_rows(logits: torch.Tensor, rows: np.ndarray, ids: np.ndarray, probs:
     if len(rows) == 0:
         return
     cand = ids[rows]
-    values = logits[torch.from_numpy(rows).to(logits.device).unsqueeze(1),
-                    torch.from_numpy(cand).to(logits.device)].float().cpu().numpy()
+    values = rows_values(logits, rows, cand)
     new_ids, new_probs = candidate_memory_rows(values, cand, np.zeros(len(rows), np.int64),
                                                paths, [state])
     ids[rows], probs[rows] = new_ids, new_probs

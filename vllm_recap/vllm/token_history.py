@@ -54,13 +54,10 @@ class TokenHistory:
         self._consumed.extend(output[done:i])
         self._tail = [t for t in output[i:] if t >= 0]
 
-    def in_prompt(self, tokens: np.ndarray) -> np.ndarray:
-        """[...] bool: each token occurs in the prompt (``tokens`` int64, any shape)."""
-        p = self._prompt
-        if not len(p):
-            return np.zeros(tokens.shape, bool)
-        at = np.minimum(np.searchsorted(p, tokens), len(p) - 1)
-        return p[at] == tokens
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        """[P] int64 the prompt's distinct tokens, sorted."""
+        return self._prompt
 
     def output_counts(self, tokens: np.ndarray) -> np.ndarray:
         """[...] int64: occurrences of each token in the output (``tokens`` int64, any shape)."""

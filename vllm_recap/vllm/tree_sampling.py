@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_recap.core.penalties import penalise_group, rank_candidates
 from vllm_recap.vllm.token_history import TokenHistory
 
 # vLLM's _SAMPLING_EPS (v1/sample/sampler.py): a temperature below it means greedy. A copy, so
@@ -480,11 +481,7 @@ def penalised_top_argmax(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
         but for candidates that fell below entries outside the raw top K).
     """
     v = penalise_candidates(values, ids, owner, paths, requests)
-    best = v.max(axis=1)
-    decided = bool(np.all(best > values[:, -1]))
-    mem_ids, mem_vals, probs = _by_value(v, ids)
-    tie = mem_vals == mem_vals[:, :1]
-    argmax = np.where(tie, mem_ids, np.iinfo(np.int64).max).min(axis=1)
+    mem_ids, _, probs, argmax, decided = rank_candidates(v, ids, values[:, -1])
     return (argmax if decided else None), mem_ids, probs
 
 
@@ -502,18 +499,8 @@ def candidate_memory_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray
     v = penalise_candidates(values, ids, owner, paths, requests)
     temp = np.array([requests[g].temperature if not requests[g].is_greedy else 1.0
                      for g in owner.tolist()], np.float32)
-    mem_ids, _, probs = _by_value(v / temp[:, None], ids)
+    mem_ids, _, probs, _, _ = rank_candidates(v / temp[:, None], ids)
     return mem_ids, probs
-
-
-def _by_value(v: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Candidates [M, K] ranked by value, largest first (ties: their given order): ids,
-    values, and the softmax over the K values (float32)."""
-    order = np.argsort(-v, axis=1, kind="stable")
-    mem_ids = np.take_along_axis(ids, order, 1)
-    mem_vals = np.take_along_axis(v, order, 1)
-    e = np.exp(mem_vals - mem_vals[:, :1])
-    return mem_ids, mem_vals, (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
 def penalise_candidates(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
@@ -523,7 +510,7 @@ def penalise_candidates(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
 
     The same float32 ops in the same order as :func:`apply_penalties_sparse`, on the
     candidates only: over prompt + output + the node's path for the repetition penalty, over
-    output + path for the others.
+    output + path for the others (compiled: :func:`vllm_recap.core.penalties.penalise_group`).
 
     Args:
         values: [M, K] raw logits (float32 after the model dtype) of the candidates.
@@ -535,40 +522,29 @@ def penalise_candidates(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
     Returns:
         [M, K] float32 penalised values (rows of requests without penalties unchanged).
     """
-    m_rows, k = values.shape
-    count = np.zeros((m_rows, k), np.int64)
-    seen = np.zeros((m_rows, k), bool)
-    rep = np.ones((m_rows, 1), np.float32)
-    freq = np.zeros((m_rows, 1), np.float32)
-    pres = np.zeros((m_rows, 1), np.float32)
-    for g in np.unique(owner).tolist():
+    v = np.array(values, np.float32)  # a copy, penalised in place
+    ids = np.ascontiguousarray(ids, np.int64)
+    groups: dict[int, list[int]] = {}
+    for r, g in enumerate(owner.tolist()):
+        groups.setdefault(g, []).append(r)
+    for g, rows in groups.items():
         rs = requests[g]
         if not rs.has_penalties:
             continue
-        rows = np.flatnonzero(owner == g)
-        cand = ids[rows]
+        cand = ids if len(rows) == len(ids) else ids[rows]
         if rs.history is not None:
-            cnt = rs.history.output_counts(cand)
+            counts, prompt = rs.history.output_counts(cand), rs.history.prompt_tokens
         else:
             output = np.asarray(rs.output_token_ids, np.int64).reshape(-1)
             out_tok, out_cnt = np.unique(output[output >= 0], return_counts=True)
             at = np.minimum(np.searchsorted(out_tok, cand), max(len(out_tok) - 1, 0))
-            cnt = (np.where(out_tok[at] == cand, out_cnt[at], 0) if len(out_tok)
-                   else np.zeros_like(cand))
-        depth = max(1, max(len(paths[r]) for r in rows.tolist()))
-        path = np.full((len(rows), depth), -1, np.int64)
-        for i, r in enumerate(rows.tolist()):
-            path[i, :len(paths[r])] = paths[r]
-        cnt = cnt + (cand[:, :, None] == path[:, None, :]).sum(-1)
-        count[rows] = cnt
-        seen[rows] = (cnt > 0) | (rs.history.in_prompt(cand) if rs.history is not None else
-                                  np.isin(cand, np.asarray(rs.prompt_token_ids, np.int64)))
-        rep[rows], freq[rows], pres[rows] = (rs.repetition_penalty, rs.frequency_penalty,
-                                             rs.presence_penalty)
-    v = values.astype(np.float32, copy=True)
-    # vLLM's CPU order and float32 ops: x * (1 / r) or x * r, then - f * count, - p * mask.
-    scale = np.where(v > 0, np.float32(1.0) / rep, rep).astype(np.float32)
-    v = np.where(seen, v * scale, v)
-    v = v - freq * count.astype(np.float32)
-    v = v - pres * (count > 0).astype(np.float32)
+            counts = (np.where(out_tok[at] == cand, out_cnt[at], 0) if len(out_tok)
+                      else np.zeros_like(cand))
+            prompt = np.unique(np.asarray(rs.prompt_token_ids, np.int64).reshape(-1))
+        depth = max(1, max(len(paths[r]) for r in rows))
+        path = np.array([list(paths[r]) + [-1] * (depth - len(paths[r])) for r in rows],
+                        np.int64)
+        penalise_group(v, ids, np.asarray(rows, np.int64), np.ascontiguousarray(counts),
+                       prompt, path, rs.repetition_penalty, rs.frequency_penalty,
+                       rs.presence_penalty)
     return v

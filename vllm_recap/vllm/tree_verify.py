@@ -30,7 +30,7 @@ from vllm_recap.vllm.tree_sampling import (RequestSampling, TreeBatch, candidate
                                            process_tree_logits)
 from vllm_recap.vllm.token_history import TokenHistory
 from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees, walk_visited
-from vllm_recap.vllm.verifier import row_argmax, rows_topk, topk_rows
+from vllm_recap.vllm.verifier import row_argmax, rows_topk, rows_values, topk_rows
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID for rejected positions
 
@@ -207,9 +207,7 @@ def _walk_penalised(plan: StepPlan, logits: torch.Tensor, flat: np.ndarray, toke
         ids: [N, K] their rows' raw top-K ids.
         requests: per batch row, its sampling state (each tree's :func:`penalties_only`).
     """
-    dev = logits.device
-    values = logits[torch.from_numpy(flat).to(dev).unsqueeze(1),
-                    torch.from_numpy(ids).to(dev)].float().cpu().numpy()
+    values = rows_values(logits, flat, ids)
     owner, paths = _node_paths(plan, tokens)
     argmax, mem_ids, mem_probs = penalised_top_argmax(values, ids, owner, paths, requests)
     if argmax is None:
@@ -282,7 +280,7 @@ def _walk_visited(logits: torch.Tensor, flat: np.ndarray, batch: TreeBatch, offs
         rest = np.setdiff1d(np.arange(len(flat)), visited)
         if top_ids is not None and rest.size:
             cand = top_ids[flat[rest]]
-            values = logits[at[rest].unsqueeze(1), torch.from_numpy(cand)].float().numpy()
+            values = rows_values(logits, flat[rest], cand)
             path = batch.path_tokens()[rest]
             paths = [p[:d].tolist() for p, d in zip(path, batch.depth[rest])]
             r_ids, r_probs = candidate_memory_rows(values, cand, batch.req[rest], paths,
