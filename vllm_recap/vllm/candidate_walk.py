@@ -25,6 +25,7 @@ rule). A row the candidates do not decide is processed whole, with the same draw
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -134,10 +135,13 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
         target[greedy] = np.where(tie, mem_ids[greedy], np.iinfo(np.int64).max).min(axis=1)
         # decided: the best (and the K-th, for the memory row) above every entry outside
         undecided[greedy] = ~((top[:, 0] > rest[greedy]) & (top[:, -1] > rest[greedy]))
+    # Plain Python on K numbers a row: under top-p most sampled rows keep fewer than K, and
+    # four numpy calls a row (setdiff1d among them) cost ~30 us each right after the forward.
     for r in np.flatnonzero(~np.isfinite(mem_vals[:, -1])).tolist():
-        live = mem_ids[r][np.isfinite(mem_vals[r])]
-        spare = np.setdiff1d(np.arange(memory_k + len(live)), live)
-        mem_ids[r, len(live):] = spare[:memory_k - len(live)]
+        n_live = sum(map(math.isfinite, mem_vals[r].tolist()))  # masked entries rank last
+        live = set(mem_ids[r, :n_live].tolist())
+        spare = [t for t in range(memory_k + n_live) if t not in live]
+        mem_ids[r, n_live:] = spare[:memory_k - n_live]
     # the compiled softmax topk_rows uses, on the same K float32 values in the same order
     _, probs = topk_probs(np.ascontiguousarray(mem_vals).view(np.int32), memory_k, False)
     at = {int(r): i for i, r in enumerate(sampled.tolist())}
