@@ -229,3 +229,57 @@ def test_pending_rows_resolve_alike_in_any_order():
         assert len(rows.pending) == tree.num_nodes
         out.append([rows.resolve(r) for r in order])
     assert out[0] == out[1][::-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_compiled_sampled_rows_equal_vllms_rules_on_the_candidates(data):
+    """core.candidates.sample_candidates (one compiled call) == the torch composition it
+    replaced: vLLM's top-k / top-p rules as ``filter_sorted`` replays them, the softmax over the
+    kept candidates and ``sample_rows``' inverse CDF in token-id order, with the same uniforms.
+    Rows both call decided keep the same candidates and draw the same token; the decision
+    itself agrees except within float32 rounding of the top-p cut's margin. Logits from a
+    coarse grid: ties at the k-th value and across the cut."""
+    from vllm_recap.core.candidates import CUT_MARGIN, sample_candidates
+    from vllm_recap.vllm.top_k_top_p import filter_sorted
+    from vllm_recap.vllm.tree_walk import sample_rows
+
+    s, c = data.draw(st.integers(1, 6)), data.draw(st.integers(2, 24))
+    grid = st.sampled_from([-4.0, -2.5, -1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 1.5, 3.0])
+    vals = -np.sort(-np.array(data.draw(st.lists(grid, min_size=s * c, max_size=s * c)),
+                              np.float32).reshape(s, c), axis=1)
+    ids = np.array([data.draw(st.permutations(range(40)))[:c] for _ in range(s)], np.int64)
+    rest = np.array([data.draw(st.sampled_from([-9.0, -4.0, -1.0])) for _ in range(s)],
+                    np.float32)
+    temp = np.array([data.draw(st.sampled_from([0.3, 0.7, 1.0, 1.3])) for _ in range(s)],
+                    np.float32)
+    k = np.array([data.draw(st.integers(1, c)) for _ in range(s)], np.int64)
+    p = (np.array([data.draw(st.sampled_from([0.5, 0.8, 0.95, 1.0])) for _ in range(s)],
+                  np.float32) if data.draw(st.booleans()) else None)
+    u = np.array([data.draw(st.floats(0.0, 1.0, width=32, exclude_max=True)) for _ in range(s)], np.float32)
+
+    x, drawn, exact = sample_candidates(vals, ids, rest, temp, k, p, u)
+
+    xt = torch.from_numpy(vals / temp[:, None])
+    keep, want_exact = filter_sorted(xt, torch.from_numpy(k), None if p is None else
+                                     torch.from_numpy(p), torch.from_numpy(rest / temp))
+    xt = xt.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(xt, dim=-1)
+    by_id = torch.from_numpy(np.argsort(ids, axis=1, kind="stable"))
+    picked = sample_rows(probs.gather(1, by_id), uniforms=torch.from_numpy(u)[:, None])
+    want_drawn = ids[np.arange(s), by_id.gather(1, picked[:, None]).view(-1).numpy()]
+    for r in range(s):
+        if bool(want_exact[r]) != bool(exact[r]):  # only at the top-p cut's margin
+            assert p is not None
+            survivors = torch.from_numpy(vals[r] / temp[r]) >= float(xt[r, k[r] - 1])
+            masked = torch.from_numpy(vals[r] / temp[r]).masked_fill(~survivors, float("-inf"))
+            t = masked.softmax(-1).flip(0).cumsum(0).flip(0)
+            gap = (t - (1 - float(p[r]))).abs()[1:][survivors[1:]]
+            assert gap.numel() and float(gap.min()) == pytest.approx(CUT_MARGIN, abs=1e-6)
+            continue
+        if exact[r]:
+            assert np.array_equal(np.isfinite(x[r]), keep[r].numpy())
+            assert np.array_equal(x[r][np.isfinite(x[r])], xt[r].numpy()[keep[r].numpy()])
+            cdf = probs.gather(1, by_id)[r].cumsum(0) / probs[r].sum()
+            if float((cdf - float(u[r])).abs().min()) > 1e-5:  # not on a boundary
+                assert drawn[r] == want_drawn[r]

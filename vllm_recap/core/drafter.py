@@ -27,7 +27,7 @@ from collections.abc import Hashable, Iterable, Sequence
 import numpy as np
 
 from vllm_recap.core import _kernels as kernels
-from vllm_recap.core import penalties, topk
+from vllm_recap.core import candidates, penalties, topk
 from vllm_recap.core.calibration import SourceCalibration
 from vllm_recap.core.config import (
     MAX_DEPTH,
@@ -563,6 +563,7 @@ def warmup() -> float:
     SuffixAutomaton(np.arange(3 * SuffixAutomaton.INITIAL_TOKENS) % 7).continuation(4)  # + rehash
     topk.warmup()  # the engine's top-K rows
     penalties.warmup()  # penalised tree rows (repetition / frequency / presence penalties)
+    candidates.warmup()  # sampled tree rows (temperature, top-k / top-p, the draw)
     from vllm_recap.core.budget import AcceptanceCalibration  # the budget's calibration kernels
 
     calibration = AcceptanceCalibration(RecapConfig().depth_discounts)

@@ -13,7 +13,9 @@ softmax and inverse CDF over the whole vocabulary: about ten float32 passes over
 - vLLM's top-k keeps the entries at or above the k-th largest processed value. When the
   k-th largest processed candidate is above ``v_C / T``, nothing outside the candidates
   survives, and top-p runs over the survivors alone
-  (:func:`~vllm_recap.vllm.top_k_top_p.filter_sorted`, exact or undecided).
+  (vLLM's rules as :func:`~vllm_recap.vllm.top_k_top_p.filter_sorted` replays them, in one
+  compiled call per step: :func:`~vllm_recap.core.candidates.sample_candidates`; exact or
+  undecided).
 - The node's distribution is then the softmax over the kept candidates, and the draw is
   :func:`~vllm_recap.vllm.tree_walk.sample_rows`'s inverse CDF in token-id order with the
   same uniform draws from the same generators (``tree_walk.row_uniforms``), so the walk
@@ -32,8 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_recap.core.candidates import sample_candidates
 from vllm_recap.core.topk import topk_probs
-from vllm_recap.vllm.top_k_top_p import TIE_COLUMNS, filter_sorted
+from vllm_recap.vllm.top_k_top_p import TIE_COLUMNS
 from vllm_recap.vllm.tree_sampling import RequestSampling, lowers_only, penalise_candidates
 from vllm_recap.vllm.tree_walk import greedy_sample, row_uniforms, sample_rows
 from vllm_recap.vllm.verifier import topk_rows
@@ -190,7 +193,8 @@ def _whole_row(logits: torch.Tensor, rs: RequestSampling, path: Sequence[int],
 def _sampled(vals: np.ndarray, ids: np.ndarray, rest: np.ndarray, owner: np.ndarray,
              requests: Sequence[RequestSampling], uniforms: torch.Tensor
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Temperature, top-k/top-p and one draw for the sampled rows.
+    """Temperature, top-k/top-p and one draw for the sampled rows
+    (:func:`vllm_recap.core.candidates.sample_candidates`, one compiled call).
 
     Args:
         vals: [S, C] float32 penalised candidates, descending; ids: [S, C] their ids.
@@ -202,17 +206,10 @@ def _sampled(vals: np.ndarray, ids: np.ndarray, rest: np.ndarray, owner: np.ndar
         [S, C] float32 processed candidates (masked ones -inf), the drawn token [S] int64,
         and exact [S] bool (rows decided here; elsewhere both mean nothing).
     """
-    temp = np.array([requests[g].temperature for g in owner.tolist()], np.float32)[:, None]
-    x = torch.from_numpy(vals / temp)  # vLLM's apply_temperature: float32 division
-    bound = torch.from_numpy(rest / temp[:, 0])
-    k = torch.tensor([requests[g].top_k for g in owner.tolist()], dtype=torch.long)
-    top_p = [requests[g].top_p for g in owner.tolist()]
-    p = torch.tensor(top_p, dtype=torch.float32) if any(q < 1 for q in top_p) else None
-    keep, exact = filter_sorted(x, k, p, bound)
-    x = x.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(x, dim=-1)  # [S, C]
-    # the whole row's inverse CDF, read at the candidates in token-id order
-    by_id = torch.from_numpy(np.argsort(ids, axis=1, kind="stable"))
-    picked = sample_rows(probs.gather(1, by_id), uniforms=uniforms)
-    column = by_id.gather(1, picked.unsqueeze(1)).view(-1).numpy()
-    return x.numpy(), ids[np.arange(len(ids)), column], exact.numpy()
+    rs = [requests[g] for g in owner.tolist()]
+    top_p = [r.top_p for r in rs]
+    return sample_candidates(
+        vals, ids, rest, np.array([r.temperature for r in rs], np.float32),
+        np.array([r.top_k for r in rs], np.int64),
+        np.array(top_p, np.float32) if any(q < 1 for q in top_p) else None,
+        uniforms.numpy().reshape(-1))
