@@ -1,0 +1,94 @@
+"""Do seeded sampled requests repeat run to run? Each speculative config runs the same seeded
+requests in two fresh engines (one request at a time, as a batch-1 client sends them) and
+counts the outputs that came out identical.
+
+A sampled request's tokens are drawn from its own generator; under RECAP a tree step draws one
+uniform per tree row, so the tokens follow the trees the request verified -- and the trees
+follow the machine's timing where the adaptive budget or the prompt-seeding time bound shape
+them (README, "Known limits").
+
+    python -m benchmarks.seeded_repeat --prompts 13 --out benchmarks/results/<folder>/repeat.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
+
+CONFIGS = {
+    "none": None,
+    "recap": {"method": "recap"},  # the defaults
+    "recap-fixed8": {"method": "recap", "budget_policy": "fixed", "node_budget": 8,
+                      "batch_node_budget": 0},
+    "recap-fixed8-noseed": {"method": "recap", "budget_policy": "fixed",
+                            "node_budget": 8, "batch_node_budget": 0, "prompt_seed_rows": 0},
+}
+
+
+def outputs(spec: dict | None, args) -> list[list[int]]:
+    """The configs' outputs of the first ``args.prompts`` Spec-Bench prompts, one at a time."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from benchmarks.sampling import SAMPLINGS
+    from benchmarks.workloads import first_spec_bench_prompts
+    from vllm_recap.models import resolve_model
+    from vllm_recap.models.engine import engine_kwargs, shutdown_llm
+
+    kwargs = {} if spec is None else {"speculative_config": spec}
+    llm = LLM(**engine_kwargs(resolve_model(args.model), dtype=args.dtype, **kwargs))
+    try:
+        prompts = first_spec_bench_prompts(llm.get_tokenizer(), args.prompts)
+        setting = SAMPLINGS[args.sampling].params
+        out = []
+        for i, p in enumerate(prompts):
+            params = SamplingParams(**setting, seed=args.seed + i, max_tokens=args.max_new_tokens,
+                                    ignore_eos=True)
+            res = llm.generate([TokensPrompt(prompt_token_ids=p.token_ids)], [params],
+                               use_tqdm=False)
+            out.append(list(res[0].outputs[0].token_ids))
+        return out
+    finally:
+        shutdown_llm(llm)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", type=int, default=13)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--sampling", default="qwen_text",
+                    help="a sampled setting of benchmarks/sampling.py (qwen_text, t1)")
+    ap.add_argument("--seed", type=int, default=100, help="request i gets seed + i")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="comma list of: " + ", ".join(CONFIGS))
+    ap.add_argument("--out", default=None, help="also write the counts to this JSON file")
+    args = ap.parse_args(argv)
+    from benchmarks.machine import cpu_line
+
+    names = [c.strip() for c in args.configs.split(",")]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
+    rows = []
+    for name in names:
+        first, second = outputs(CONFIGS[name], args), outputs(CONFIGS[name], args)
+        same = sum(a == b for a, b in zip(first, second))
+        rows.append({"config": name, "spec": CONFIGS[name], "identical": same,
+                     "prompts": len(first)})
+        print(f"{name}: {same} of {len(first)} outputs identical run to run", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "machine": cpu_line(), "model": args.model, "dtype": args.dtype,
+            "sampling": args.sampling, "max_new_tokens": args.max_new_tokens,
+            "seed": args.seed, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

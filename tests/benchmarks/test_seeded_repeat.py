@@ -1,0 +1,27 @@
+"""benchmarks.seeded_repeat counts the seeded sampled outputs that repeat in a fresh engine."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import seeded_repeat
+
+pytestmark = pytest.mark.engine
+
+
+def test_no_speculation_repeats_every_seeded_output(capsys, tmp_path):
+    """vLLM without speculation draws each token from the request's generator alone: every
+    output repeats (the reference row of the script's table)."""
+    seeded_repeat.main(["--configs", "none", "--prompts", "2", "--max-new-tokens", "8",
+                        "--out", str(tmp_path / "repeat.json")])
+    assert "none: 2 of 2 outputs identical run to run" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "repeat.json").read_text())
+    assert saved["rows"] == [{"config": "none", "spec": None, "identical": 2, "prompts": 2}]
+    assert saved["sampling"] == "qwen_text"
+
+
+def test_an_unknown_config_is_named(capsys):
+    with pytest.raises(SystemExit):
+        seeded_repeat.main(["--configs", "recap,recap-fast"])
+    assert "recap-fast" in capsys.readouterr().err
