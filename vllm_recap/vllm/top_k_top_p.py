@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import torch
 
+# A cumulative probability within CUT_MARGIN of the cut is left to vLLM: its sum runs over the
+# whole row in another order, so the last bits may differ (float32 over <= 1024 terms: < 1e-4).
+# One value for both replays of vLLM's rules: this one in torch, the sampled tree rows'
+# compiled one.
+from vllm_recap.core.candidates import CUT_MARGIN
+
 # Rows take the small path up to this top-k (beyond it ``topk`` is no cheaper than sorting).
 MAX_SMALL_K = 1024
 # Columns taken past a row's k, to see a tie at its threshold whole.
 TIE_COLUMNS = 8
-# A cumulative probability this close to the cut is left to vLLM: its sum runs over the whole
-# row in another order, so the last bits may differ (float32 over <= 1024 terms: < 1e-4).
-CUT_MARGIN = 1e-4
 
 
 def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
