@@ -20,6 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
 
+from benchmarks.sampling import SAMPLINGS  # noqa: E402
+
+# Settings that sample (greedy-equivalent ones repeat whatever the drafts)
+SAMPLED = [name for name, s in SAMPLINGS.items() if not s.deterministic]
+
 CONFIGS = {
     "none": None,
     "recap": {"method": "recap"},  # the defaults
@@ -34,7 +39,6 @@ def outputs(spec: dict | None, args) -> list[list[int]]:
     """The configs' outputs of the first ``args.prompts`` Spec-Bench prompts, one at a time."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from benchmarks.sampling import SAMPLINGS
     from benchmarks.workloads import first_spec_bench_prompts
     from vllm_recap.models import resolve_model
     from vllm_recap.models.engine import engine_kwargs, shutdown_llm
@@ -62,8 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompts", type=int, default=13)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--sampling", default="qwen_text",
-                    help="a sampled setting of benchmarks/sampling.py (qwen_text, t1)")
+    ap.add_argument("--sampling", default="qwen_text", choices=SAMPLED,
+                    help="a sampled setting of benchmarks/sampling.py")
     ap.add_argument("--seed", type=int, default=100, help="request i gets seed + i")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma list of: " + ", ".join(CONFIGS))

@@ -25,3 +25,9 @@ def test_an_unknown_config_is_named(capsys):
     with pytest.raises(SystemExit):
         seeded_repeat.main(["--configs", "recap,recap-fast"])
     assert "recap-fast" in capsys.readouterr().err
+
+
+def test_a_setting_that_does_not_sample_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        seeded_repeat.main(["--sampling", "qwen_vl"])
+    assert "qwen_vl" in capsys.readouterr().err
