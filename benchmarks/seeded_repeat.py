@@ -1,11 +1,15 @@
 """Do seeded sampled requests repeat run to run? Each speculative config runs the same seeded
 requests in two fresh engines (one request at a time, as a batch-1 client sends them) and
-counts the outputs that came out identical.
+counts the outputs that came out identical, and (with ``none`` among the configs) those equal
+to vLLM's without speculation.
 
-A sampled request's tokens are drawn from its own generator; under RECAP a tree step draws one
-uniform per tree row, so the tokens follow the trees the request verified -- and the trees
-follow the machine's timing where the adaptive budget or the prompt-seeding time bound shape
-them (README, "Known limits").
+RECAP draws output token k of a seeded request with draw k of the request's seed stream, as
+vLLM's CPU sampler does without speculation (``vllm_recap/vllm/seeded.py``), so its outputs
+do not follow the trees it verified, which follow the machine's timing where the adaptive
+budget or the prompt-seeding time bound shape them. (Before, a tree step drew one uniform
+per tree row from the request's generator: 0 of 13 outputs repeated with the defaults.) In
+bf16 a pass of several tokens rounds rows differently from a one-token pass, which can move
+a draw near a tie; float32 (``--dtype float32``) shows the identity.
 
     python -m benchmarks.seeded_repeat --prompts 13 --out benchmarks/results/<folder>/repeat.json
 """
@@ -79,13 +83,19 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
-    rows = []
-    for name in names:
+    rows, plain = [], None
+    for name in sorted(names, key=lambda n: n != "none"):  # none first: the reference
         first, second = outputs(CONFIGS[name], args), outputs(CONFIGS[name], args)
         same = sum(a == b for a, b in zip(first, second))
-        rows.append({"config": name, "spec": CONFIGS[name], "identical": same,
-                     "prompts": len(first)})
-        print(f"{name}: {same} of {len(first)} outputs identical run to run", flush=True)
+        if name == "none":
+            plain = first
+        row = {"config": name, "spec": CONFIGS[name], "identical": same, "prompts": len(first)}
+        line = f"{name}: {same} of {len(first)} outputs identical run to run"
+        if plain is not None:
+            row["as_none"] = [sum(a == b for a, b in zip(run, plain)) for run in (first, second)]
+            line += f", {row['as_none']} equal to none's in each run"
+        rows.append(row)
+        print(line, flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({

@@ -15,9 +15,11 @@ def test_no_speculation_repeats_every_seeded_output(capsys, tmp_path):
     output repeats (the reference row of the script's table)."""
     seeded_repeat.main(["--configs", "none", "--prompts", "2", "--max-new-tokens", "8",
                         "--out", str(tmp_path / "repeat.json")])
-    assert "none: 2 of 2 outputs identical run to run" in capsys.readouterr().out
+    assert ("none: 2 of 2 outputs identical run to run, [2, 2] equal to none's in each run"
+            in capsys.readouterr().out)
     saved = json.loads((tmp_path / "repeat.json").read_text())
-    assert saved["rows"] == [{"config": "none", "spec": None, "identical": 2, "prompts": 2}]
+    assert saved["rows"] == [{"config": "none", "spec": None, "identical": 2, "prompts": 2,
+                              "as_none": [2, 2]}]
     assert saved["sampling"] == "qwen_text"
 
 

@@ -38,7 +38,7 @@ from vllm_recap.core.candidates import sample_candidates
 from vllm_recap.core.topk import topk_probs
 from vllm_recap.vllm.top_k_top_p import TIE_COLUMNS
 from vllm_recap.vllm.tree_sampling import RequestSampling, lowers_only, penalise_candidates
-from vllm_recap.vllm.tree_walk import greedy_sample, row_uniforms, sample_rows
+from vllm_recap.vllm.tree_walk import greedy_sample, row_uniforms, sample_rows, seeded_draws
 from vllm_recap.vllm.verifier import topk_rows
 
 # Raw logits taken per row. A top_k up to CANDIDATES - TIE_COLUMNS is served (Qwen2.5's 20,
@@ -67,7 +67,8 @@ class CandidateRows:
         memory_probs: [M, K] float32, the softmax over those K processed values (0 for
             masked entries).
         whole_rows: how many rows were processed whole.
-        pending: rows the candidates did not decide, not processed yet.
+        pending: rows the candidates did not decide, not processed yet, and rows of requests
+            with position seeds not drawn yet (a draw costs a pass over the vocabulary).
     """
 
     target: np.ndarray
@@ -75,15 +76,15 @@ class CandidateRows:
     memory_probs: np.ndarray
     whole_rows: int = 0
     pending: set[int] = field(default_factory=set)
-    _resolve: Callable[[int], None] | None = field(default=None, repr=False)
+    _resolve: Callable[[int], bool] | None = field(default=None, repr=False)
 
     def resolve(self, r: int) -> int:
-        """Processes pending row ``r`` whole (its target and memory row become the whole-row
-        path's); returns its target."""
+        """Decides pending row ``r``: processed whole (its target and memory row become the
+        whole-row path's), or a seeded row's draw over its kept candidates; returns its
+        target."""
         if r in self.pending:
             self.pending.discard(r)
-            self._resolve(r)
-            self.whole_rows += 1
+            self.whole_rows += int(self._resolve(r))
         return int(self.target[r])
 
 
@@ -127,6 +128,14 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
         ids[sampled] = cand
         target[sampled[exact]] = drawn[exact]
         undecided[sampled[~exact]] = True
+    # Rows of requests with position seeds take vLLM's own draw at their seed (``seeded``),
+    # when a walk reaches them: over the kept candidates where they decided the row, else
+    # over the whole row.
+    seed_of = np.array([_seed(requests[g], len(p)) for g, p in zip(owner.tolist(), paths)],
+                       np.int64)
+    seeded = (seed_of >= 0) & ~greedy
+    kept = seeded & ~undecided
+    undecided |= seeded
     # The memory rows as ``topk_rows`` takes them from whole processed rows: by value, equal
     # values lower id first, masked entries (-inf) the lowest ids the row did not keep.
     order = np.lexsort((ids, -processed), axis=-1)[:, :memory_k]
@@ -150,18 +159,36 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
     at = {int(r): i for i, r in enumerate(sampled.tolist())}
     p_set = any(requests[g].top_p < 1 for g in owner[sampled].tolist())
 
-    def resolve(r: int) -> None:
+    masked: list[torch.Tensor] = []  # one [1, V] row of -inf, allocated once a step
+
+    def resolve(r: int) -> bool:
+        if kept[r]:  # vLLM's row: the kept candidates' values, -inf elsewhere
+            if not masked:
+                masked.append(torch.full((1, whole(r).shape[-1]), -math.inf))
+            cols = torch.from_numpy(ids[r])
+            masked[0][0, cols] = torch.from_numpy(processed[r])
+            target[r] = int(seeded_draws(masked[0], seed_of[r:r + 1])[0])
+            masked[0][0, cols] = -math.inf
+            return False
         row = _whole_row(whole(r), requests[owner[r]], paths[r], p_set)
         if greedy[r]:
             target[r] = int(greedy_sample(row)[0])
+        elif seeded[r]:
+            target[r] = int(seeded_draws(row, seed_of[r:r + 1])[0])
         else:
             target[r] = int(sample_rows(torch.softmax(row, dim=-1),
                                         uniforms=uniforms[at[r]:at[r] + 1])[0])
         mem_ids[r], probs[r] = (a[0] for a in topk_rows(row, memory_k))
+        return True
 
     pending = np.flatnonzero(undecided).tolist()
     target[pending] = -1
     return CandidateRows(target, mem_ids, probs, pending=set(pending), _resolve=resolve)
+
+
+def _seed(rs: RequestSampling, depth: int) -> int:
+    """The request's position seed at ``depth``, -1 without position seeds."""
+    return -1 if rs.position_seeds is None else int(rs.position_seeds[depth])
 
 
 def _whole_row(logits: torch.Tensor, rs: RequestSampling, path: Sequence[int],

@@ -33,10 +33,11 @@ from vllm_recap.vllm.context import StepContext, StepRows, StepScope
 from vllm_recap.vllm.drain import DrainWatch, longest_requests, remaining_tokens
 from vllm_recap.vllm.eligibility import SamplingFacts, surely_finished
 from vllm_recap.vllm.layout import (as_scheduled, build_plan, next_prefill_tokens,
-                                    rewrite_positions, whole_step_slots)
+                                    rewrite_positions, slots_with_chains, whole_step_slots)
 from vllm_recap.vllm.memory_rows import memory_state, process_rows
 from vllm_recap.vllm.metrics import TreeMetrics, log_idle
 from vllm_recap.vllm.records import RequestBook
+from vllm_recap.vllm.seeded import SeedDraws, SeedStream
 from vllm_recap.vllm.seeding import MAX_ROWS_PER_STEP, PromptSeeder
 from vllm_recap.vllm.token_history import TokenHistory
 from vllm_recap.vllm.tree_sampling import RequestSampling
@@ -53,6 +54,7 @@ logger = logging.getLogger("vllm.recap")
 RUNNER_ATTRIBUTES = (
     "input_batch.req_ids", "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu",
     "input_batch.num_prompt_tokens", "input_batch.num_tokens_no_spec",
+    "input_batch.generators", "input_batch.req_id_to_index",
     "input_batch.token_ids_cpu", "query_start_loc.np", "positions", "input_ids.np",
     "requests", "uses_mrope", "model_config.logprobs_mode",
 )
@@ -167,6 +169,7 @@ class StepDriver:
         self.budget = BudgetController(settings.num_spec_tokens, config.depth_discounts)
         self.adaptive = config.budget_policy is BudgetPolicy.ADAPTIVE
         self.metrics = TreeMetrics()
+        self.seed_draws = SeedDraws()
         self.stats = {"steps": 0, "idle_steps": 0, "tree_requests": 0, "off_chain_accepts": 0,
                       "kv_compactions": 0, "resynced": 0, "whole_steps": 0,
                       # steps proposing while the batch drains, and their decoding requests
@@ -327,7 +330,12 @@ class StepDriver:
     @_clears_context
     def sample(self, runner, original, logits: torch.Tensor, spec_decode_metadata) -> Any:
         """vLLM's sampler, then tree acceptance over its output -- or, in a step RECAP verifies
-        whole, RECAP's walks alone (:meth:`_verifies_whole_step`); keeps the step's rows."""
+        whole, RECAP's walks alone (:meth:`_verifies_whole_step`); keeps the step's rows.
+
+        Seeded sampled requests' generators are first set to their seed streams' positions
+        (:mod:`~vllm_recap.vllm.seeded`), so vLLM's sampler draws each position as without
+        speculation, and their drafted rows are verified here (chains too)."""
+        self.seed_draws.align(runner, self._seed_stream)
         ctx = self.scope.current
         if ctx is not None and logits is not None and ctx.idle:
             out = self._sample_processed_roots(runner, ctx, logits)
@@ -348,6 +356,11 @@ class StepDriver:
         if self._verifies_whole_step(runner, plan):
             plan.verified = whole_step_slots(plan)
             self.stats["whole_steps"] += 1
+        else:
+            seeded = [i for i, r in enumerate(plan.req_ids)
+                      if plan.num_drafts[i] and self._facts(runner, r).seeded]
+            if seeded:  # vLLM's rejection sampler would draw their chains another way
+                plan.verified = slots_with_chains(plan, seeded)
         if plan.verified:  # before vLLM's sampler, which may edit the logits in place
             facts = [self._facts(runner, plan.req_ids[t.batch_index]) for t in plan.verified]
             trees = prepare_trees(plan, logits, rows.node_tokens, runner,
@@ -355,7 +368,8 @@ class StepDriver:
                                   plain=all(f.plain for f in facts),
                                   argmax=ids[:, 0] if top1_is_argmax(logits) else None,
                                   top_k=self.config.top_k, top_ids=ids,
-                                  history_of=self._history)
+                                  history_of=self._history,
+                                  seeds_of=lambda r, n: self._position_seeds(runner, r, n))
             if trees.memory_rows is not None:  # rows of processed distributions replace raw
                 flat, processed_ids, processed_probs = trees.memory_rows
                 ids[flat], probs[flat] = processed_ids, processed_probs
@@ -614,11 +628,35 @@ class StepDriver:
 
     def _draft(self, runner, req_id: str, node_budget: int, room: int) -> DraftTree:
         """The request's full tree (``node_budget`` nodes plus the suffix path, at most
-        ``room`` drafts); its best chain alone for requests that cannot verify a tree."""
+        ``room`` drafts); its best chain alone for requests that cannot verify a tree; no
+        drafts for a seeded sampled request whose draws RECAP cannot replay (a tree-ineligible
+        one, or vLLM's sampler is not its CPU one): vLLM's sampler alone then draws its
+        tokens, as without speculation."""
         tree = self.drafter.propose(req_id, node_budget=node_budget)
-        if not self.tree_mode or not self._facts(runner, req_id).trees:
+        facts = self._facts(runner, req_id)
+        if facts.seeded and not (facts.trees and self.seed_draws.replays(runner)):
+            return tree.truncate(1)
+        if not self.tree_mode or not facts.trees:
             tree = tree.truncate(1 + tree.chain_len)  # the best chain sits at 1..L
         return tree.truncate(1 + room)
+
+    def _seed_stream(self, req_id: str, seed: int) -> SeedStream:
+        """The request's seed stream (kept on its record, freed with it)."""
+        record = self.records.get(req_id)
+        if record.draws is None or record.draws.seed != seed:
+            record.draws = SeedStream(seed)
+        return record.draws
+
+    def _position_seeds(self, runner, req_id: str, rows: int) -> tuple[int, ...] | None:
+        """The seeds of a seeded sampled request's rows at depth 0 .. rows - 1 this step
+        (its root samples output index k: draws k ..), None for other requests."""
+        if not self._facts(runner, req_id).seeded or not self.seed_draws.replays(runner):
+            return None
+        batch = runner.input_batch
+        i = batch.req_id_to_index[req_id]
+        k = int(batch.num_tokens_no_spec[i]) - int(batch.num_prompt_tokens[i])
+        seed = runner.requests[req_id].sampling_params.seed
+        return self._seed_stream(req_id, seed).seeds(k, rows)
 
     def _facts(self, runner, req_id: str) -> SamplingFacts:
         """The request's sampling facts, kept on its record while its params stay the same."""

@@ -108,6 +108,8 @@ class SamplingFacts:
         kind: the acceptance rule, for the budget's calibration: "greedy" when the argmax
             decides (:func:`greedy_equivalent`), else "sampled".
         logprobs: the request asks for sample logprobs (tree rows are then kept for them).
+        seeded: a sampled request with a seed (its draws follow its seed stream:
+            :mod:`~vllm_recap.vllm.seeded`).
     """
 
     params: Any
@@ -115,6 +117,7 @@ class SamplingFacts:
     plain: bool
     kind: str
     logprobs: bool
+    seeded: bool = False
 
     @classmethod
     def of(cls, params: Any) -> SamplingFacts:
@@ -125,7 +128,8 @@ class SamplingFacts:
         plain = greedy and (state is None or replace(state, temperature=0.0).is_plain)
         return cls(params, tree_unsupported_reason(params) is None, plain,
                    "greedy" if greedy else "sampled",
-                   getattr(params, "logprobs", None) is not None)
+                   getattr(params, "logprobs", None) is not None,
+                   not greedy and getattr(params, "seed", None) is not None)
 
 
 def greedy_equivalent(params: Any) -> bool:

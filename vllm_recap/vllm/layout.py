@@ -10,7 +10,7 @@ tensor-parallel rank lays the step out identically.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -77,15 +77,19 @@ def whole_step_slots(plan: StepPlan) -> list[TreeSlot]:
     """Every request of the step as a slot RECAP verifies, in batch order: its tree's slot, or
     a chain slot of its root and drafts (a root alone without drafts). For a step of decodes
     only (``num_scheduled == 1 + num_drafts`` for every request, as the caller checks)."""
+    return slots_with_chains(plan, range(len(plan.req_ids)))
+
+
+def slots_with_chains(plan: StepPlan, chains: Iterable[int]) -> list[TreeSlot]:
+    """The step's tree slots plus a chain slot (root and drafts) for each batch row in
+    ``chains`` without a tree, in batch order: the requests whose acceptance RECAP decides.
+    Each row in ``chains`` must be a decode (its scheduled tokens are its root and drafts)."""
     trees = plan.tree_by_batch_index()
-    slots = []
-    for i, (start, drafts) in enumerate(zip(plan.query_starts.tolist(),
-                                            plan.num_drafts.tolist())):
-        slot = trees.get(i)
-        if slot is None:
-            slot = TreeSlot(i, start, *_chain_arrays(1 + drafts))
-        slots.append(slot)
-    return slots
+    starts, drafts = plan.query_starts.tolist(), plan.num_drafts.tolist()
+    for i in chains:
+        if i not in trees:
+            trees[i] = TreeSlot(i, starts[i], *_chain_arrays(1 + drafts[i]))
+    return [trees[i] for i in sorted(trees)]
 
 
 def as_scheduled(tree: DraftTree, laid: DraftTree | None, drafts: Sequence[int]) -> DraftTree:

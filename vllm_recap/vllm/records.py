@@ -17,6 +17,7 @@ import torch
 from vllm_recap.core.drafter import Drafter
 from vllm_recap.core.tree import DraftTree
 from vllm_recap.vllm.eligibility import SamplingFacts
+from vllm_recap.vllm.seeded import SeedStream
 from vllm_recap.vllm.token_history import TokenHistory
 
 
@@ -96,6 +97,8 @@ class RequestRecord:
             :class:`~vllm_recap.vllm.eligibility.SamplingFacts`), for the params it was
             worked out from.
         history: its prompt and output as penalties read them, kept between steps.
+        draws: the seeds vLLM draws for it, position by position (seeded sampled requests;
+            :mod:`~vllm_recap.vllm.seeded`), None until a step needs them.
     """
 
     salt: Hashable = None
@@ -105,6 +108,7 @@ class RequestRecord:
     seed: PromptSeed = field(default_factory=PromptSeed)
     sampling: SamplingFacts | None = None
     history: TokenHistory = field(default_factory=TokenHistory)
+    draws: SeedStream | None = None
 
 
 class RequestBook:

@@ -68,6 +68,10 @@ class RequestSampling:
     allowed_token_ids: Sequence[int] = ()
     bad_words_token_ids: Sequence[Sequence[int]] = ()
     generator: torch.Generator | None = None
+    position_seeds: tuple[int, ...] | None = None
+    """Seeded requests where vLLM's draws are replayed (:mod:`vllm_recap.vllm.seeded`): the
+    seed of the row at depth d at index d; its rows are drawn with vLLM's op at these seeds,
+    not at uniforms from ``generator``. None: uniforms."""
     history: TokenHistory | None = field(default=None, compare=False, repr=False)
     """The request's prompt and output kept between steps (synced to the lists above), for
     :func:`penalise_candidates`; None: read from the lists each time."""
@@ -76,7 +80,8 @@ class RequestSampling:
     def from_params(cls, params, prompt_token_ids: Sequence[int] | None,
                     output_token_ids: Sequence[int],
                     generator: torch.Generator | None = None,
-                    history: TokenHistory | None = None) -> RequestSampling:
+                    history: TokenHistory | None = None,
+                    position_seeds: tuple[int, ...] | None = None) -> RequestSampling:
         """Builds the state the way ``InputBatch.add_request`` and the builtin processors do.
 
         Args:
@@ -86,6 +91,7 @@ class RequestSampling:
             output_token_ids: committed output tokens, the root's token last.
             generator: the request's ``torch.Generator`` (seeded requests), else None.
             history: the request's :class:`TokenHistory`, synced here (penalties read it).
+            position_seeds: see the attribute (None: draws at uniforms).
         """
         if prompt_token_ids is None:
             if params.repetition_penalty != 1.0:
@@ -108,6 +114,7 @@ class RequestSampling:
             allowed_token_ids=tuple(params.allowed_token_ids or ()),
             bad_words_token_ids=tuple(tuple(w) for w in params.bad_words_token_ids or ()),
             generator=generator,
+            position_seeds=position_seeds,
             history=history,
         )
 

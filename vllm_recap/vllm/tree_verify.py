@@ -33,6 +33,7 @@ from vllm_recap.vllm.tree_walk import TreeWalk, tree_logprobs, verify_trees, wal
 from vllm_recap.vllm.verifier import row_argmax, rows_topk, rows_values, topk_rows
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID for rejected positions
+SeedsOf = Callable[[str, int], "tuple[int, ...] | None"]
 
 
 @dataclass
@@ -73,21 +74,23 @@ class TreeVerification:
         return {t.batch_index: nodes for t, nodes in zip(plan.verified, self.nodes)}
 
 
-def request_sampling(runner, req_id: str, history: TokenHistory | None = None
-                     ) -> RequestSampling:
+def request_sampling(runner, req_id: str, history: TokenHistory | None = None,
+                     position_seeds: tuple[int, ...] | None = None) -> RequestSampling:
     """The request's sampling state as vLLM's input batch holds it this step (``history``:
-    the request's, kept between steps, synced here)."""
+    the request's, kept between steps, synced here; ``position_seeds``: its rows' seeds by
+    depth, for a seeded request whose draws are replayed)."""
     state = runner.requests[req_id]
     return RequestSampling.from_params(state.sampling_params, state.prompt_token_ids,
-                                       state.output_token_ids, state.generator, history)
+                                       state.output_token_ids, state.generator, history,
+                                       position_seeds)
 
 
 def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runner,
             keep_rows: bool, argmax: np.ndarray | None = None,
             top_k: int = 0, top_ids: np.ndarray | None = None,
             plain: bool = False,
-            history_of: Callable[[str], TokenHistory | None] | None = None
-            ) -> TreeVerification:
+            history_of: Callable[[str], TokenHistory | None] | None = None,
+            seeds_of: SeedsOf | None = None) -> TreeVerification:
     """Processes and walks every tree of the step (before vLLM's sampler runs).
 
     Args:
@@ -106,13 +109,15 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
             the caller): without ``keep_rows`` their sampling state is then not read at all.
         history_of: request id -> its :class:`TokenHistory` (None: none kept), so that
             penalties need not sort the prompt and output each step.
+        seeds_of: (request id, rows) -> the seeds of its rows at depth 0 .. rows - 1, or None
+            where the request draws at uniforms (:mod:`~vllm_recap.vllm.seeded`).
     """
     starts = plan.logits_starts.tolist()
     flat = [j for t in plan.verified
             for j in range(starts[t.batch_index], starts[t.batch_index] + t.num_nodes)]
     requests = None
     if not keep_rows and not plain:  # the caller did not say: read every request's state
-        requests = _request_states(plan, runner, keep_rows, history_of)
+        requests = _request_states(plan, runner, keep_rows, history_of, seeds_of)
         plain = all(r.is_plain for r in requests if r is not None)
     if plain and not keep_rows:
         # Plain greedy trees (the common case): the raw rows' argmax decides; no copy of the
@@ -121,7 +126,7 @@ def prepare(plan: StepPlan, logits: torch.Tensor, node_tokens: np.ndarray, runne
                    else row_argmax(logits[torch.tensor(flat, device=logits.device)]))
         return _walk_plain(plan, node_tokens[flat], targets)
     if requests is None:
-        requests = _request_states(plan, runner, keep_rows, history_of)
+        requests = _request_states(plan, runner, keep_rows, history_of, seeds_of)
     flat = np.asarray(flat, np.int64)
     live = [r for r in requests if r is not None]
     if not keep_rows and top_ids is not None and top_k > 0 \
@@ -162,8 +167,8 @@ def _walk_every_row(logits: torch.Tensor, flat: np.ndarray, batch: TreeBatch,
 
 
 def _request_states(plan: StepPlan, runner, keep_rows: bool,
-                    history_of: Callable[[str], TokenHistory | None] | None = None
-                    ) -> list[RequestSampling | None]:
+                    history_of: Callable[[str], TokenHistory | None] | None = None,
+                    seeds_of: SeedsOf | None = None) -> list[RequestSampling | None]:
     """Per batch row, the sampling state of its tree's request (None for rows without one).
 
     Without ``keep_rows``, greedy-equivalent requests (top_k = 1) are walked by argmax:
@@ -172,7 +177,8 @@ def _request_states(plan: StepPlan, runner, keep_rows: bool,
     requests: list[RequestSampling | None] = [None] * len(plan.req_ids)
     for tree in plan.verified:
         req_id = plan.req_ids[tree.batch_index]
-        rs = request_sampling(runner, req_id, history_of(req_id) if history_of else None)
+        rs = request_sampling(runner, req_id, history_of(req_id) if history_of else None,
+                              seeds_of(req_id, tree.num_nodes) if seeds_of else None)
         if not keep_rows and not rs.is_greedy and rs.greedy_equivalent:
             rs = replace(rs, temperature=0.0)
         requests[tree.batch_index] = rs

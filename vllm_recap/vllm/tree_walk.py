@@ -113,15 +113,44 @@ def children_mass(probs: torch.Tensor, tree: TreeBatch) -> np.ndarray:
     return mass.cpu().numpy()
 
 
-def _draw(probs: torch.Tensor, groups: list[tuple[RequestSampling, np.ndarray]]) -> np.ndarray:
-    """[N] int64: one independent draw per node of ``groups`` (others 0), each at its
-    :func:`row_uniforms` draw."""
-    draws = torch.zeros(probs.shape[0], dtype=torch.int64, device=probs.device)
-    rows, owner = rows_and_owner(groups)
-    at = torch.as_tensor(rows, device=probs.device)
-    uniforms = row_uniforms(owner, [rs for rs, _ in groups], probs.device)
-    draws[at] = sample_rows(probs[at], uniforms=uniforms)
-    return draws.cpu().numpy()
+def _draw(processed: torch.Tensor, probs: torch.Tensor,
+          groups: list[tuple[RequestSampling, np.ndarray]], depth: np.ndarray) -> np.ndarray:
+    """[N] int64: one independent draw per node of ``groups`` (others 0): at its
+    :func:`row_uniforms` draw from ``probs`` [N, V], or for a request with position seeds at
+    its depth's seed from ``processed`` [N, V] (:func:`seeded_draws`)."""
+    draws = np.zeros(probs.shape[0], np.int64)
+    by_uniform = [(rs, nodes) for rs, nodes in groups if rs.position_seeds is None]
+    if by_uniform:
+        rows, owner = rows_and_owner(by_uniform)
+        at = torch.as_tensor(rows, device=probs.device)
+        uniforms = row_uniforms(owner, [rs for rs, _ in by_uniform], probs.device)
+        draws[rows] = sample_rows(probs[at], uniforms=uniforms).cpu().numpy()
+    rows, seeds = seeded_rows(groups, depth)
+    if rows.size:
+        draws[rows] = seeded_draws(processed[torch.from_numpy(rows)], seeds)
+    return draws
+
+
+def seeded_rows(groups: list[tuple[RequestSampling, np.ndarray]], depth: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The nodes [M] of the groups whose requests have position seeds, and each one's seed
+    [M] (its request's seed at the node's depth)."""
+    rows, seeds = [], []
+    for rs, nodes in groups:
+        if rs.position_seeds is not None:
+            rows.append(nodes)
+            seeds.append(np.asarray(rs.position_seeds, np.int64)[depth[nodes]])
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rows), np.concatenate(seeds)
+
+
+def seeded_draws(processed: torch.Tensor, seeds: np.ndarray) -> np.ndarray:
+    """[M] int64: vLLM's own draw from each processed row [M, V] at its seed [M]
+    (:func:`vllm_recap.vllm.seeded.gumbel_tokens`; imported here, on the CPU path only)."""
+    from vllm_recap.vllm.seeded import gumbel_tokens
+
+    return gumbel_tokens(processed, seeds)
 
 
 def row_uniforms(owner: np.ndarray, requests: Sequence[RequestSampling],
@@ -132,13 +161,16 @@ def row_uniforms(owner: np.ndarray, requests: Sequence[RequestSampling],
 
     Each seeded request draws its rows with its own generator (requests in index order), so
     its walk is reproducible whatever else is in the batch; every unseeded row comes from one
-    call on the default generator. Every walk of sampled rows draws through here (whole rows,
+    call on the default generator. Rows of requests with position seeds are drawn at those
+    (:func:`seeded_draws`) and get 0.5 here, unused. Every walk of sampled rows draws through here (whole rows,
     candidates, visited rows only), so they sample the same tokens from the same rows.
     """
-    u = torch.empty(len(owner), 1, device=device)
+    u = torch.full((len(owner), 1), 0.5, device=device)
     plain = []
     for g in np.unique(owner).tolist():
         rows = np.flatnonzero(owner == g)
+        if requests[g].position_seeds is not None:
+            continue  # drawn at its seeds (seeded_draws): its generator is vLLM's to use
         gen = requests[g].generator
         if gen is None:
             plain.append(rows)
@@ -189,7 +221,7 @@ def verify_trees(processed: torch.Tensor, tree: TreeBatch,
         return walk_targets(tree, target)
     probs = processed.softmax(dim=-1, dtype=torch.float32)
     rows, _ = rows_and_owner(drawn)
-    target[rows] = _draw(probs, drawn)[rows]
+    target[rows] = _draw(processed, probs, drawn, tree.depth)[rows]
     return walk_targets(tree, target, children_mass(probs, tree))
 
 
@@ -220,10 +252,16 @@ def walk_visited(rows: Callable[[np.ndarray], torch.Tensor], tree: TreeBatch,
              if not rs.greedy_equivalent]
     sampled = np.zeros(n, bool)
     uniforms = torch.zeros(n, 1)
+    seed_of = np.full(n, -1, np.int64)  # a node's position seed, -1: drawn at its uniform
+    by_uniform = [(rs, nodes) for rs, nodes in drawn if rs.position_seeds is None]
     if drawn:
-        at, owner = rows_and_owner(drawn)
+        at, _ = rows_and_owner(drawn)
         sampled[at] = True
-        uniforms[torch.from_numpy(at)] = row_uniforms(owner, [rs for rs, _ in drawn])
+    if by_uniform:
+        at, owner = rows_and_owner(by_uniform)
+        uniforms[torch.from_numpy(at)] = row_uniforms(owner, [rs for rs, _ in by_uniform])
+    at, seeds = seeded_rows(drawn, tree.depth)
+    seed_of[at] = seeds
     child: dict[tuple[int, int], int] = {}  # (parent, token) -> lowest child (walk_targets)
     for v, (p, t) in enumerate(zip(tree.parent.tolist(), tree.token.tolist())):
         if p >= 0:
@@ -240,6 +278,11 @@ def walk_visited(rows: Callable[[np.ndarray], torch.Tensor], tree: TreeBatch,
             picked = greedy_sample(rows_p)
         else:
             picked = np.zeros(level.size, np.int64)
+        by_seed = drawn_here[seed_of[level[drawn_here]] >= 0]
+        if by_seed.size:
+            picked[by_seed] = seeded_draws(rows_p[torch.from_numpy(by_seed)],
+                                           seed_of[level[by_seed]])
+            drawn_here = drawn_here[seed_of[level[drawn_here]] < 0]
         if drawn_here.size:
             every = drawn_here.size == level.size  # no copy of the rows then
             probs = (rows_p if every else rows_p[torch.from_numpy(drawn_here).to(rows_p.device)]
@@ -285,7 +328,8 @@ def sample_walk(processed: torch.Tensor, tree: TreeBatch,
     if any(rs.is_greedy for rs, _ in groups):
         raise ValueError("sample_walk got a greedy request; use greedy_walk or verify_trees")
     probs = processed.softmax(dim=-1, dtype=torch.float32)
-    return walk_targets(tree, _draw(probs, groups), children_mass(probs, tree))
+    return walk_targets(tree, _draw(processed, probs, groups, tree.depth),
+                        children_mass(probs, tree))
 
 
 def tree_logprobs(walk: TreeWalk, tree: TreeBatch, raw_logits: torch.Tensor,
