@@ -161,9 +161,10 @@ def row_uniforms(owner: np.ndarray, requests: Sequence[RequestSampling],
 
     Each seeded request draws its rows with its own generator (requests in index order), so
     its walk is reproducible whatever else is in the batch; every unseeded row comes from one
-    call on the default generator. Rows of requests with position seeds are drawn at those
-    (:func:`seeded_draws`) and get 0.5 here, unused. Every walk of sampled rows draws through here (whole rows,
-    candidates, visited rows only), so they sample the same tokens from the same rows.
+    call on the default generator. Every walk of sampled rows draws through here (whole rows,
+    candidates, visited rows only), so they sample the same tokens from the same rows. Rows of
+    requests with position seeds are drawn at those (:func:`seeded_draws`) and get 0.5 here,
+    unused: their generators are vLLM's to draw from.
     """
     u = torch.full((len(owner), 1), 0.5, device=device)
     plain = []
@@ -237,7 +238,8 @@ def walk_visited(rows: Callable[[np.ndarray], torch.Tensor], tree: TreeBatch,
     (T 1.0, 17-node tree of SmolLM2's 49k vocabulary on a 2-core CPU: processing and walking
     every row ~6 ms, a row ~0.4 ms). Every sampled row's uniform is drawn up front as
     :func:`_draw` draws it (:func:`row_uniforms`: same generators, same order), so the walk
-    commits the tokens :func:`verify_trees` commits and leaves the generators in the same state.
+    commits the tokens :func:`verify_trees` commits and leaves the generators in the same state;
+    rows of requests with position seeds take their depth's seed (:func:`seeded_draws`).
 
     Args:
         rows: node indices [M] -> their raw logits rows [M, V].
