@@ -12,14 +12,18 @@ pytestmark = pytest.mark.engine
 
 def test_no_speculation_repeats_every_seeded_output(capsys, tmp_path):
     """vLLM without speculation draws each token from the request's generator alone: every
-    output repeats (the reference row of the script's table)."""
-    seeded_repeat.main(["--configs", "none", "--prompts", "2", "--max-new-tokens", "8",
-                        "--out", str(tmp_path / "repeat.json")])
+    output repeats (the reference row of the script's table); the batched row compares
+    the same requests sent in one batch against it."""
+    seeded_repeat.main(["--configs", "none-batched,none", "--prompts", "2",
+                        "--max-new-tokens", "8", "--out", str(tmp_path / "repeat.json")])
     assert ("none: 2 of 2 outputs identical run to run, [2, 2] equal to none's in each run"
             in capsys.readouterr().out)
     saved = json.loads((tmp_path / "repeat.json").read_text())
-    assert saved["rows"] == [{"config": "none", "spec": None, "identical": 2, "prompts": 2,
-                              "as_none": [2, 2]}]
+    assert saved["rows"][0] == {"config": "none", "spec": None, "identical": 2, "prompts": 2,
+                                "as_none": [2, 2]}
+    batched = saved["rows"][1]
+    assert batched["config"] == "none-batched" and batched["prompts"] == 2
+    assert batched["identical"] == 2 and len(batched["as_none"]) == 2
     assert saved["sampling"] == "qwen_text"
 
 
