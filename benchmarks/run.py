@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = report.build_summary(results, plan.methods, plan.concurrency if "spec_bench" in
                                    plan.workloads else [], plan.ablations, plan.mm_methods,
                                    plan.load_methods, plan.two_turn_methods, plan.settings,
-                                   plan.sampling_methods, args.sampling_seed)
+                                   plan.sampling_methods, args.sampling_seed, dtype)
     model_name = args.model if args.model in ("smollm2", "gemma3") else Path(model).name
     listed = ((plan.batch1_methods() if plan.greedy else []) + plan.load_methods +
               plan.two_turn_methods + plan.mm_methods +

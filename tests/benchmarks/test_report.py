@@ -397,6 +397,29 @@ def test_sampling_sections_pair_within_a_setting_and_skip_identity_for_sampled()
                                                   sampling=["greedy"])
 
 
+def test_recap_rows_of_seeded_sampled_settings_in_float32_are_checked_against_none():
+    """RECAP draws each position of a seeded request as vLLM does without speculation, so in a
+    float32 run its rows of a seeded sampled setting must equal none's (a difference is a
+    finding); unseeded, or in bf16, they are not checked."""
+    results = _sampling_results() + [
+        {**_sampling_results()[-1], "method": "ngram", "name": "ngram/spec_bench/qwen_text/c1/r0"}]
+    methods = ["none", "ngram", "recap-chain", "recap-tree"]
+
+    def text_rows(dtype, seed=0):
+        s = report.build_summary(results, ["none"], [1], [], [], sampling=["qwen_text"],
+                                 sampling_methods=methods, sampling_seed=seed, dtype=dtype)
+        return {r["method"]: r for r in s["sampling"][0]["rows"]}, "\n".join(s["findings"])
+
+    rows, found = text_rows("float32")
+    assert rows["recap-chain"]["identical"] == 1 and rows["recap-chain"]["compared"] == 2
+    assert rows["recap-tree"]["identical"] == 0 and rows["ngram"]["identity"] == "n/a"
+    assert "sampling qwen_text: recap-tree output differs from none on 2 of 2 prompts" in found
+    assert "ngram output differs" not in found
+    for dtype, seed in (("bfloat16", 0), ("float32", -1)):
+        rows, found = text_rows(dtype, seed)
+        assert rows["recap-tree"]["identity"] == "n/a" and "differs" not in found
+
+
 def test_sampling_markdown_sections_and_pivots():
     from benchmarks import report_sampling
 
