@@ -100,7 +100,9 @@ def test_sampled_setting(run_result):
     rows = {r["method"]: r for r in sections["t1"]["rows"]}
     assert list(rows) == ["none", "recap-tree"]
     tree = rows["recap-tree"]
-    assert tree["identity"] == "n/a" and tree["output_tokens"] == 16 and tree["speedup_geomean"] > 0
+    # a float32 run: RECAP's seeded sampled outputs are checked against none's, and equal
+    assert tree.get("identity") != "n/a" and tree["identical"] == tree["compared"] == 2
+    assert tree["output_tokens"] == 16 and tree["speedup_geomean"] > 0
     assert tree["tree_request_share"] is not None and tree["tree_pass_share"] is not None
     assert "tree_steps" in jobs["recap-tree/spec_bench/t1/c1/r0"]["requests"][0]
     text = (out / "summary.md").read_text()
