@@ -20,8 +20,10 @@ default settings, Intel Xeon, bf16). Here every position takes its own draw of t
   draws (:meth:`SeedDraws.align`), so vLLM's sampler (steps without drafts) takes draw k.
 
 So a seeded sampled request samples the tokens vLLM without speculation samples, whatever
-RECAP drafted (float32; a bf16 pass of several tokens rounds rows differently from a
-one-token pass, which can move a draw near a tie). Where vLLM samples some other way (a GPU,
+RECAP drafted, in float32. In bf16 a pass of several tokens rounds rows differently from a
+one-token pass, and sampled draws, races between near-equal candidates, often move with it:
+outputs follow the passes' shapes, as vLLM's own do across batches (README, "Known limits";
+``benchmarks/results/seeded-draws-xeon_2026-12-06/``). Where vLLM samples some other way (a GPU,
 ``use_fp64_gumbel``), seeded sampled requests get no drafts: vLLM's sampler alone decides
 them, as without speculation.
 """
