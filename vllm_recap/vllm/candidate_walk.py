@@ -131,8 +131,9 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
     # Rows of requests with position seeds take vLLM's own draw at their seed (``seeded``),
     # when a walk reaches them: over the kept candidates where they decided the row, else
     # over the whole row.
-    seed_of = np.array([_seed(requests[g], len(p)) for g, p in zip(owner.tolist(), paths)],
-                       np.int64)
+    seed_of = np.full(len(values), -1, np.int64)
+    if any(requests[g].position_seeds is not None for g in set(owner.tolist())):
+        seed_of[:] = [_seed(requests[g], len(p)) for g, p in zip(owner.tolist(), paths)]
     seeded = (seed_of >= 0) & ~greedy
     kept = seeded & ~undecided
     undecided |= seeded

@@ -655,14 +655,10 @@ class StepDriver:
 
     def _position_seeds(self, runner, req_id: str, rows: int) -> tuple[int, ...] | None:
         """The seeds of a seeded sampled request's rows at depth 0 .. rows - 1 this step
-        (its root samples output index k: draws k ..), None for other requests."""
-        if not self._facts(runner, req_id).seeded or not self.seed_draws.replays(runner):
+        (:meth:`~vllm_recap.vllm.seeded.SeedDraws.position_seeds`), None for other requests."""
+        if not self._facts(runner, req_id).seeded:
             return None
-        batch = runner.input_batch
-        i = batch.req_id_to_index[req_id]
-        k = int(batch.num_tokens_no_spec[i]) - int(batch.num_prompt_tokens[i])
-        seed = runner.requests[req_id].sampling_params.seed
-        return self._seed_stream(req_id, seed).seeds(k, rows)
+        return self.seed_draws.position_seeds(runner, req_id, rows, self._seed_stream)
 
     def _facts(self, runner, req_id: str) -> SamplingFacts:
         """The request's sampling facts, kept on its record while its params stay the same."""

@@ -108,6 +108,12 @@ def replays_vllm_draws(sampler) -> bool:
             and hasattr(torch.ops._C, "fused_gumbel_argmax"))
 
 
+def _output_index(batch, i: int) -> int:
+    """The output index the root row of batch row ``i`` samples this step (its output tokens
+    so far): the stream draw vLLM's sampler takes there."""
+    return int(batch.num_tokens_no_spec[i]) - int(batch.num_prompt_tokens[i])
+
+
 class SeedDraws:
     """The seed streams of a runner's seeded requests, and their alignment with vLLM.
 
@@ -142,8 +148,19 @@ class SeedDraws:
             seed = getattr(runner.requests[req_id].sampling_params, "seed", None)
             if seed is None:
                 continue
-            k = int(batch.num_tokens_no_spec[i]) - int(batch.num_prompt_tokens[i])
-            gen.set_state(stream_of(req_id, seed).state_at(k))
+            gen.set_state(stream_of(req_id, seed).state_at(_output_index(batch, i)))
+
+    def position_seeds(self, runner, req_id: str, rows: int, stream_of
+                       ) -> tuple[int, ...] | None:
+        """The seeds of a seeded request's rows at depth 0 .. rows - 1 this step (its root
+        samples output index k: stream draws k ..); None where vLLM's draws are not replayed.
+        ``stream_of`` as for :meth:`align`."""
+        if not self.replays(runner):
+            return None
+        batch = runner.input_batch
+        seed = runner.requests[req_id].sampling_params.seed
+        k = _output_index(batch, batch.req_id_to_index[req_id])
+        return stream_of(req_id, seed).seeds(k, rows)
 
     def hold_discarded(self, runner) -> None:
         """After vLLM's sampler: takes the generators of the requests whose sample this step
