@@ -4,7 +4,8 @@
     python -m benchmarks.proposer_profile                       # default tree, 13 prompts x 64
     python -m benchmarks.proposer_profile --spec '{"method": "recap", "budget_policy": "fixed",
         "node_budget": 8}' --prompts 8                           # same steps for two codes
-    python -m benchmarks.proposer_profile --sampling qwen_text
+    python -m benchmarks.proposer_profile --sampling qwen_text    # seeded per prompt, as
+                                                                 # benchmarks.run (-1: not)
     python -m benchmarks.proposer_profile --model gemma3          # 262k vocabulary
     python -m benchmarks.proposer_profile --prompts 26 --concurrency 4   # under load
 
@@ -74,6 +75,17 @@ def instrument(driver, again: bool = False) -> dict[str, list[float]]:
     return times
 
 
+def request_params(sampling: str, base_seed: int, prompt_ids: list[str],
+                   max_new_tokens: int) -> list:
+    """[P] ``SamplingParams`` per prompt: the setting, ``max_new_tokens`` with EOS ignored, and
+    for a sampled setting the fixed seed ``benchmarks.run`` gives the same prompt
+    (:func:`~benchmarks.sampling.request_seed`; none with ``base_seed`` -1)."""
+    from benchmarks.sampling import job_sampling, sampling_params
+
+    setting = job_sampling(sampling, base_seed)
+    return [sampling_params(setting, max_new_tokens, True, pid) for pid in prompt_ids]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default='{"method": "recap"}', help="speculative_config (JSON)")
@@ -86,6 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, default=1,
                     help="prompts per generate call (default 1: batch 1)")
     ap.add_argument("--sampling", default="greedy", help="a setting of benchmarks/sampling.py")
+    ap.add_argument("--sampling-seed", type=int, default=0,
+                    help="base of the fixed per-request seeds of sampled settings, as "
+                         "benchmarks.run (a seeded sampled request takes RECAP's seeded path: "
+                         "its rows drawn with vLLM's seeds, every drafted step verified by "
+                         "RECAP); -1: unseeded (default: 0)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--again", action="store_true",
                     help="run the pure pieces (%s) twice per call and time both: after the "
@@ -101,25 +118,27 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks.harness import model_runner
     from benchmarks.machine import cpu_line
-    from benchmarks.sampling import job_sampling, sampling_params
     from benchmarks.workloads import first_spec_bench_prompts
     from vllm_recap.models import resolve_model
     from vllm_recap.models.engine import engine_kwargs, shutdown_llm
 
     llm = LLM(**engine_kwargs(resolve_model(args.model), dtype=args.dtype,
                               speculative_config=json.loads(args.spec)))
-    prompts = [TokensPrompt(prompt_token_ids=p.token_ids) for p in
-               first_spec_bench_prompts(llm.get_tokenizer(), args.prompts)]
-    params = sampling_params(job_sampling(args.sampling, 0), args.max_new_tokens, True)
+    bench = first_spec_bench_prompts(llm.get_tokenizer(), args.prompts)
+    prompts = [TokensPrompt(prompt_token_ids=p.token_ids) for p in bench]
+    params = request_params(args.sampling, args.sampling_seed, [p.prompt_id for p in bench],
+                            args.max_new_tokens)
+    seeded = any(p.seed is not None for p in params)
     proposer = model_runner(llm).drafter
     times = instrument(proposer.recap_hooks, args.again)
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     proposer.reset_figures()
     for v in times.values():
         v.clear()
     t0 = time.perf_counter()
     for start in range(0, len(prompts), args.concurrency):  # default: batch 1
-        llm.generate(prompts[start:start + args.concurrency], params, use_tqdm=False)
+        llm.generate(prompts[start:start + args.concurrency],
+                     params[start:start + args.concurrency], use_tqdm=False)
     wall = time.perf_counter() - t0
     steps = np.asarray(proposer.step_seconds) * 1e3
     seeding = np.asarray(proposer.seeding_seconds) * 1e3
@@ -135,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     pieces = {name: {"calls": len(v), "p50_ms": float(np.median(v) * 1e3),
                      "mean_ms": float(np.mean(v) * 1e3), "total_ms": float(np.sum(v) * 1e3)}
               for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])) if v}
-    print(f"{machine}, {args.model}, dtype {args.dtype}, sampling {args.sampling}, "
-          f"spec {args.spec}, concurrency {args.concurrency}")
+    print(f"{machine}, {args.model}, dtype {args.dtype}, sampling {args.sampling}"
+          f"{' (seeded)' if seeded else ''}, spec {args.spec}, concurrency {args.concurrency}")
     print(f"wall {wall:.1f} s, {len(steps)} steps; RECAP work per step: p50 "
           f"{work['p50']:.3f} ms, mean {work['mean']:.3f} ms, p99 {work['p99']:.3f} ms")
     print(f"  without prompt seeding: p50 {unseeded['p50']:.3f} ms, mean "
@@ -152,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine, "model": args.model,
             "dtype": args.dtype,
-            "sampling": args.sampling, "spec": json.loads(args.spec), "prompts": len(prompts),
+            "sampling": args.sampling, "seeded": seeded, "spec": json.loads(args.spec),
+            "prompts": len(prompts),
             "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
             "vllm_recap": str(Path(vllm_recap.__file__).parent), "wall_s": wall,
             "steps": len(steps),

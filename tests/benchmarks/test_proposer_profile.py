@@ -41,3 +41,23 @@ def test_again_times_the_pure_pieces_a_second_time(capsys):
         again = next(x for x in out.splitlines() if x.strip().startswith(name + " again "))
         calls = [int(line.split("calls")[1].split()[0]) for line in (first, again)]
         assert calls[0] == calls[1] > 0, (first, again)
+
+
+def test_sampled_requests_get_the_seeds_benchmarks_run_gives_them():
+    from benchmarks.sampling import request_seed
+
+    ids = ["sb81", "sb82"]
+    seeded = proposer_profile.request_params("qwen_text", 0, ids, 16)
+    assert [p.seed for p in seeded] == [request_seed(0, i) for i in ids]
+    assert seeded[0].seed != seeded[1].seed and seeded[0].temperature == 0.7
+    assert all(p.max_tokens == 16 and p.ignore_eos for p in seeded)
+    assert [p.seed for p in proposer_profile.request_params("qwen_text", -1, ids, 16)] == [None] * 2
+    assert [p.seed for p in proposer_profile.request_params("greedy", 0, ids, 16)] == [None] * 2
+
+
+def test_a_seeded_sampled_profile_says_so(capsys, tmp_path):
+    proposer_profile.main(["--prompts", "1", "--max-new-tokens", "8", "--sampling", "qwen_text",
+                           "--out", str(tmp_path / "profile.json")])
+    assert "sampling qwen_text (seeded)" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    assert saved["seeded"] is True and saved["steps"] > 0
