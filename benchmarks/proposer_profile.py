@@ -27,6 +27,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,46 @@ def instrument(driver, again: bool = False) -> dict[str, list[float]]:
     return times
 
 
+def time_attention_layers(impl_cls) -> tuple[dict[str, dict[int, list[float]]], object]:
+    """Wraps ``impl_cls.forward`` (the class attribute: every layer) to time each attention
+    layer call of the forward pass, by path and query rows: "tree" (a step with a tree: the
+    path-split kernel call, its scratch copies and writes, the K/V stash) or "stock" (vLLM's
+    own forward: plain steps and chains). Returns (path -> rows -> seconds per call, a
+    function that restores the original)."""
+    times: dict[str, dict[int, list[float]]] = {"tree": collections.defaultdict(list),
+                                                "stock": collections.defaultdict(list)}
+    original = impl_cls.forward
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        path = "stock" if self.tree_step(attn_metadata) is None else "tree"
+        t = time.perf_counter()
+        try:
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, *args,
+                            **kwargs)
+        finally:
+            times[path][int(query.shape[0])].append(time.perf_counter() - t)
+
+    impl_cls.forward = forward
+
+    def restore() -> None:
+        impl_cls.forward = original
+
+    return times, restore
+
+
+def layer_table(times: dict[str, dict[int, list[float]]], least: int = 30) -> list[dict]:
+    """Per query-row count with at least ``least`` timed calls of both paths: the p50 of a
+    tree layer and of a stock layer (us) and their ratio, most tree calls first."""
+    rows = []
+    for n, tree in times["tree"].items():
+        stock = times["stock"].get(n, [])
+        if len(tree) >= least and len(stock) >= least:
+            t, s = statistics.median(tree) * 1e6, statistics.median(stock) * 1e6
+            rows.append({"rows": n, "tree_calls": len(tree), "tree_p50_us": t,
+                         "stock_calls": len(stock), "stock_p50_us": s, "ratio": t / s})
+    return sorted(rows, key=lambda r: -r["tree_calls"])
+
+
 def request_params(sampling: str, base_seed: int, prompt_ids: list[str],
                    max_new_tokens: int) -> list:
     """[P] ``SamplingParams`` per prompt: the setting, ``max_new_tokens`` with EOS ignored, and
@@ -107,6 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--again", action="store_true",
                     help="run the pure pieces (%s) twice per call and time both: after the "
                          "forward pass the first call runs on cold caches" % ", ".join(PURE))
+    ap.add_argument("--layers", action="store_true",
+                    help="also time every attention layer call of the forward (CPU): a tree "
+                         "step's layer against a stock one (plain and chain steps) of the same "
+                         "query rows -- the fixed cost of RECAP's tree path per layer")
     ap.add_argument("--out", default=None,
                     help="also write the figures to this JSON file (what is printed, as numbers)")
     args = ap.parse_args(argv)
@@ -131,10 +176,17 @@ def main(argv: list[str] | None = None) -> None:
     seeded = any(p.seed is not None for p in params)
     proposer = model_runner(llm).drafter
     times = instrument(proposer.recap_hooks, args.again)
+    layer_times, restore = None, None
+    if args.layers:
+        from vllm_recap.vllm.cpu_backend import RecapCPUAttentionImpl
+
+        layer_times, restore = time_attention_layers(RecapCPUAttentionImpl)
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     proposer.reset_figures()
     for v in times.values():
         v.clear()
+    for by_rows in (layer_times or {}).values():
+        by_rows.clear()
     t0 = time.perf_counter()
     for start in range(0, len(prompts), args.concurrency):  # default: batch 1
         llm.generate(prompts[start:start + args.concurrency],
@@ -164,6 +216,20 @@ def main(argv: list[str] | None = None) -> None:
     for name, p in pieces.items():
         print(f"  {name:24s} calls {p['calls']:6d}  p50 {p['p50_ms']:.3f}  mean "
               f"{p['mean_ms']:.3f}  total {p['total_ms']:.0f} ms")
+    layers, layer_calls = None, None
+    if layer_times is not None:
+        layer_calls = {path: sum(map(len, by_rows.values()))
+                       for path, by_rows in layer_times.items()}
+        restore()
+        layers = layer_table(layer_times)
+        print("  attention layer calls, tree step against stock (plain / chain) step, same "
+              "query rows:")
+        for r in layers:
+            print(f"    {r['rows']:4d} rows  tree p50 {r['tree_p50_us']:6.1f} us "
+                  f"({r['tree_calls']} calls)  stock p50 {r['stock_p50_us']:6.1f} us "
+                  f"({r['stock_calls']} calls)  tree / stock {r['ratio']:.2f}")
+        if not layers:
+            print("    (no row count with 30 calls of both)")
     if args.out:
         import vllm_recap
 
@@ -178,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
             "steps": len(steps),
             "work_ms": work, "work_without_seeding_ms": unseeded,
             "p99_steps": {"steps": int(np.count_nonzero(slow)), "seeded": seeded_slow},
-            "pieces": pieces}, indent=1))
+            "pieces": pieces, "attention_layers": layers,
+            "attention_layer_calls": layer_calls}, indent=1))
     shutdown_llm(llm)
     sys.stdout.flush()
 

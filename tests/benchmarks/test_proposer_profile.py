@@ -61,3 +61,30 @@ def test_a_seeded_sampled_profile_says_so(capsys, tmp_path):
     assert "sampling qwen_text (seeded)" in capsys.readouterr().out
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["seeded"] is True and saved["steps"] > 0
+
+
+def test_layers_times_tree_and_stock_attention_layers(capsys, tmp_path):
+    from vllm_recap.vllm.cpu_backend import RecapCPUAttentionImpl
+
+    forward = RecapCPUAttentionImpl.forward
+    proposer_profile.main(["--prompts", "2", "--max-new-tokens", "24", "--layers", "--spec",
+                           '{"method": "recap", "budget_policy": "fixed", "node_budget": 4}',
+                           "--out", str(tmp_path / "profile.json")])
+    out = capsys.readouterr().out
+    assert "attention layer calls, tree step against stock" in out
+    assert RecapCPUAttentionImpl.forward is forward  # restored
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    # every layer call of the measured steps timed: prefill and plain ones on vLLM's path,
+    # those of steps with a (fixed, 4-node) tree on RECAP's
+    calls = saved["attention_layer_calls"]
+    assert calls["tree"] > 0 and calls["stock"] > 0 and calls["tree"] % 30 == 0  # 30 layers
+    for row in saved["attention_layers"]:
+        assert row["tree_calls"] >= 30 and row["stock_calls"] >= 30
+        assert row["ratio"] == row["tree_p50_us"] / row["stock_p50_us"] > 0
+
+
+def test_layer_table_pairs_row_counts_timed_on_both_paths():
+    times = {"tree": {5: [2e-6] * 30, 9: [1e-6] * 40}, "stock": {5: [1e-6] * 31, 9: [1e-6] * 3}}
+    assert proposer_profile.layer_table(times) == [
+        {"rows": 5, "tree_calls": 30, "tree_p50_us": 2.0, "stock_calls": 31,
+         "stock_p50_us": 1.0, "ratio": 2.0}]
