@@ -49,6 +49,25 @@ def test_top_k_is_exact_with_ties(rows, vocab, k, levels, negative, seed, wide):
     np.testing.assert_array_equal(top, np.take_along_axis(bits, ids, 1))
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 3), chunks=st.integers(1, 12), k=st.sampled_from([2, 8, 16, 64]),
+       levels=st.sampled_from([2, 40, 10_000]), seed=st.integers(0, 2**31 - 1),
+       wide=st.booleans())
+def test_top_k_over_many_chunks_is_exact_at_the_chunk_floor(rows, chunks, k, levels, seed,
+                                                            wide):
+    """k of a sampled row's candidates (64) and rows of more chunks than k: only entries at
+    or above the k-th best chunk maximum are searched, so the ties at that floor (few levels)
+    and rows whose top k sit in fewer chunks than k must still come out as a stable sort's."""
+    vocab = chunks * k * T.CHUNK // 4 + seed % 7
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-levels, levels, (rows, vocab)).astype(np.float32) / 3
+    bits = np.ascontiguousarray(values).view(np.int32) if wide else _bf16_bits(values)
+    exact = values if wide else _bf16_values(bits)
+    ids, top = T.topk_bits(bits, min(k, vocab))
+    np.testing.assert_array_equal(ids, _reference(exact, min(k, vocab)))
+    np.testing.assert_array_equal(top, np.take_along_axis(bits, ids, 1))
+
+
 def test_negative_zero_equals_zero_and_argmax_takes_the_lower_id():
     values = np.full((2, 300), -1.0, np.float32)
     values[0, 5], values[0, 200] = -0.0, 0.0

@@ -106,7 +106,12 @@ def _topk_bits(bits, width, k, chunk, highs, lows, out_ids, out_bits):  # pragma
             b = np.int64(highs[r, c]) if highs[r, c] >= 0 else np.int64(lows[r, c])
             key = b ^ ((b >> top) & mask)
             n_best = _insert(best_max, best_chunks, n_best, k, 0 if key == -1 else key, c)
-        # the exact top k within those chunks, lower id first among equal values
+        # The exact top k within those chunks, lower id first among equal values. Their k
+        # maxima are k entries at or above the k-th best maximum, so an entry below it is
+        # not among the top k: only the few at or above it are inserted (for k = 64, a
+        # sampled row's candidates, the insertions into a filling list were most of the
+        # time: 26 -> 10 us a 49k-wide bfloat16 row).
+        floor = best_max[n_best - 1] if n_best == k else np.int64(-(1 << top))
         n_top = 0
         ids = out_ids[r]
         for q in range(n_best):
@@ -115,7 +120,9 @@ def _topk_bits(bits, width, k, chunk, highs, lows, out_ids, out_bits):  # pragma
             for j in range(start, end):
                 b = np.int64(row[j])
                 key = b ^ ((b >> top) & mask)
-                n_top = _insert(keys, ids, n_top, k, 0 if key == -1 else key, j)
+                key = 0 if key == -1 else key
+                if key >= floor:
+                    n_top = _insert(keys, ids, n_top, k, key, j)
         for q in range(k):
             out_bits[r, q] = row[ids[q]]
 
