@@ -8,6 +8,8 @@
                                                                  # benchmarks.run (-1: not)
     python -m benchmarks.proposer_profile --model gemma3          # 262k vocabulary
     python -m benchmarks.proposer_profile --prompts 26 --concurrency 4   # under load
+    python -m benchmarks.proposer_profile --layers   # + a tree step's attention layer vs a
+                                                     # stock one of the same query rows
 
 Prints the p50 / mean / p99 of ``RecapProposer.step_seconds`` (what ``benchmarks.run`` reports
 as proposer cost) and, per timed driver function, its p50 / mean / total. The timers add ~1 us
