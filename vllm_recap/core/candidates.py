@@ -140,6 +140,97 @@ def sample_candidates(vals: np.ndarray, ids: np.ndarray, rest: np.ndarray, temp:
     return x, drawn, exact
 
 
+@njit(cache=True, nogil=True, boundscheck=False)
+def _descending(vals, ids, out_vals, out_ids):  # pragma: no cover - compiled
+    """Each row of ``vals`` [M, C] in descending order, stably (equal values keep their
+    order), with its ``ids``: numpy's stable argsort of ``-vals`` and two gathers."""
+    rows, width = vals.shape
+    order = np.empty(width, np.int64)
+    for r in range(rows):
+        for j in range(width):  # insertion: after every entry at or above vals[r, j]
+            v = vals[r, j]
+            pos = j
+            while pos > 0 and vals[r, order[pos - 1]] < v:
+                order[pos] = order[pos - 1]
+                pos -= 1
+            order[pos] = j
+        for j in range(width):
+            out_vals[r, j] = vals[r, order[j]]
+            out_ids[r, j] = ids[r, order[j]]
+
+
+def descending(vals: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows sorted by value, largest first, stably, with their ids.
+
+    Args:
+        vals: [M, C] float32 (no NaN); ids: [M, C] int64.
+
+    Returns:
+        [M, C] float32 values and [M, C] int64 ids, as ``np.argsort(-vals, axis=1,
+        kind="stable")`` would order them.
+    """
+    vals = np.ascontiguousarray(vals, np.float32)
+    out_vals = np.empty_like(vals)
+    out_ids = np.empty(vals.shape, np.int64)
+    _descending(vals, np.ascontiguousarray(ids, np.int64), out_vals, out_ids)
+    return out_vals, out_ids
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _memory_rows(vals, ids, k, out_vals, out_ids):  # pragma: no cover - compiled
+    """Per row of ``vals`` / ``ids`` [M, C]: the k best by (value descending, id ascending),
+    then masked entries' ids replaced by the lowest ids the row did not keep."""
+    rows, width = vals.shape
+    order = np.empty(width, np.int64)
+    for r in range(rows):
+        for j in range(width):
+            v, t = vals[r, j], ids[r, j]
+            pos = j
+            while pos > 0:
+                pv, pt = vals[r, order[pos - 1]], ids[r, order[pos - 1]]
+                if pv > v or (pv == v and pt < t):
+                    break
+                order[pos] = order[pos - 1]
+                pos -= 1
+            order[pos] = j
+        live = 0
+        for q in range(k):
+            out_vals[r, q] = vals[r, order[q]]
+            out_ids[r, q] = ids[r, order[q]]
+            if np.isfinite(out_vals[r, q]):
+                live += 1
+        q, t = live, 0
+        while q < k:  # masked entries rank last: the lowest ids not among the live ones
+            kept = False
+            for a in range(live):
+                if out_ids[r, a] == t:
+                    kept = True
+                    break
+            if not kept:
+                out_ids[r, q] = t
+                q += 1
+            t += 1
+
+
+def memory_rows(vals: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Memory rows of processed candidates, as ``topk_rows`` takes them from whole processed
+    rows: by value, equal values lower id first, masked entries (-inf) the lowest ids the row
+    did not keep (a whole row's masked entries tie at -inf and rank by id).
+
+    Args:
+        vals: [M, C] float32 processed candidates (-inf where masked, no NaN); ids: [M, C]
+            int64 their distinct token ids; k: entries kept, <= C.
+
+    Returns:
+        [M, k] float32 values and [M, k] int64 ids.
+    """
+    vals = np.ascontiguousarray(vals, np.float32)
+    out_vals = np.empty((vals.shape[0], k), np.float32)
+    out_ids = np.empty((vals.shape[0], k), np.int64)
+    _memory_rows(vals, np.ascontiguousarray(ids, np.int64), k, out_vals, out_ids)
+    return out_vals, out_ids
+
+
 def warmup() -> None:
     """Compiles (or loads from numba's cache) the kernel."""
     vals = np.array([[3.0, 2.0, 1.0, 0.5]], np.float32)
@@ -147,3 +238,5 @@ def warmup() -> None:
     for p in (None, np.array([0.8], np.float32)):
         sample_candidates(vals, ids, np.array([0.0], np.float32), np.array([0.7], np.float32),
                           np.array([3]), p, np.array([0.5], np.float32))
+    descending(vals, ids)
+    memory_rows(vals, ids, 2)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_recap.core.candidates import sample_candidates
+from vllm_recap.core.candidates import descending, memory_rows, sample_candidates
 from vllm_recap.core.topk import topk_probs
 from vllm_recap.vllm.top_k_top_p import TIE_COLUMNS
 from vllm_recap.vllm.tree_sampling import RequestSampling, lowers_only, penalise_candidates
@@ -119,11 +119,10 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
     sampled = np.flatnonzero(~greedy)
     uniforms = None
     if len(sampled):
-        order = np.argsort(-processed[sampled], axis=1, kind="stable")
+        ordered, cand = descending(processed[sampled], ids[sampled])
         uniforms = row_uniforms(owner[sampled], requests)
-        cand = np.take_along_axis(ids[sampled], order, 1)
-        vals, drawn, exact = _sampled(np.take_along_axis(processed[sampled], order, 1), cand,
-                                      rest[sampled], owner[sampled], requests, uniforms)
+        vals, drawn, exact = _sampled(ordered, cand, rest[sampled], owner[sampled], requests,
+                                      uniforms)
         processed[sampled], ids = vals, ids.copy()
         ids[sampled] = cand
         target[sampled[exact]] = drawn[exact]
@@ -137,24 +136,17 @@ def walk_rows(values: np.ndarray, ids: np.ndarray, owner: np.ndarray,
     seeded = (seed_of >= 0) & ~greedy
     kept = seeded & ~undecided
     undecided |= seeded
-    # The memory rows as ``topk_rows`` takes them from whole processed rows: by value, equal
-    # values lower id first, masked entries (-inf) the lowest ids the row did not keep.
-    order = np.lexsort((ids, -processed), axis=-1)[:, :memory_k]
-    mem_vals = np.take_along_axis(processed, order, 1)
-    mem_ids = np.take_along_axis(ids, order, 1)
+    # The memory rows as ``topk_rows`` takes them from whole processed rows (compiled: the
+    # numpy sorts, gathers and a Python pass over masked rows were ~0.15 ms of a Qwen2.5-text
+    # tree step right after the forward). Only sampled rows have masked entries, so a greedy
+    # row's ids below are its candidates' own.
+    mem_vals, mem_ids = memory_rows(processed, ids, memory_k)
     if greedy.any():
         top = mem_vals[greedy]
         tie = top == top[:, :1]
         target[greedy] = np.where(tie, mem_ids[greedy], np.iinfo(np.int64).max).min(axis=1)
         # decided: the best (and the K-th, for the memory row) above every entry outside
         undecided[greedy] = ~((top[:, 0] > rest[greedy]) & (top[:, -1] > rest[greedy]))
-    # Plain Python on K numbers a row: under top-p most sampled rows keep fewer than K, and
-    # four numpy calls a row (setdiff1d among them) cost ~30 us each right after the forward.
-    for r in np.flatnonzero(~np.isfinite(mem_vals[:, -1])).tolist():
-        n_live = sum(map(math.isfinite, mem_vals[r].tolist()))  # masked entries rank last
-        live = set(mem_ids[r, :n_live].tolist())
-        spare = [t for t in range(memory_k + n_live) if t not in live]
-        mem_ids[r, n_live:] = spare[:memory_k - n_live]
     # the compiled softmax topk_rows uses, on the same K float32 values in the same order
     _, probs = topk_probs(np.ascontiguousarray(mem_vals).view(np.int32), memory_k, False)
     at = {int(r): i for i, r in enumerate(sampled.tolist())}
