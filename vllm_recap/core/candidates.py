@@ -141,19 +141,28 @@ def sample_candidates(vals: np.ndarray, ids: np.ndarray, rest: np.ndarray, temp:
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def descending_order(row, order):  # pragma: no cover - compiled
+    """``order[:len(row)]`` = the positions of ``row`` by value, largest first, stably (equal
+    values keep their order): an insertion sort, each entry after every one at or above it
+    (rows of a few dozen candidates). Compiled code calling this is cached by numba with its
+    own module: clear ``__pycache__`` after changing it."""
+    for j in range(row.shape[0]):
+        v = row[j]
+        pos = j
+        while pos > 0 and row[order[pos - 1]] < v:
+            order[pos] = order[pos - 1]
+            pos -= 1
+        order[pos] = j
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _descending(vals, ids, out_vals, out_ids):  # pragma: no cover - compiled
     """Each row of ``vals`` [M, C] in descending order, stably (equal values keep their
     order), with its ``ids``: numpy's stable argsort of ``-vals`` and two gathers."""
     rows, width = vals.shape
     order = np.empty(width, np.int64)
     for r in range(rows):
-        for j in range(width):  # insertion: after every entry at or above vals[r, j]
-            v = vals[r, j]
-            pos = j
-            while pos > 0 and vals[r, order[pos - 1]] < v:
-                order[pos] = order[pos - 1]
-                pos -= 1
-            order[pos] = j
+        descending_order(vals[r], order)
         for j in range(width):
             out_vals[r, j] = vals[r, order[j]]
             out_ids[r, j] = ids[r, order[j]]

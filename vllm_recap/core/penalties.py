@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from vllm_recap.core.candidates import descending_order
+
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _penalise_group(v, ids, rows, out_counts, prompt, path, rep, freq, pres):  # pragma: no cover
@@ -79,13 +81,7 @@ def _rank(v, ids, raw_last, mem_ids, mem_vals, probs, argmax):  # pragma: no cov
     order = np.empty(k, np.int64)
     decided = True
     for r in range(m):
-        for q in range(k):  # insertion sort: K is small
-            x = v[r, q]
-            pos = q
-            while pos > 0 and v[r, order[pos - 1]] < x:
-                order[pos] = order[pos - 1]
-                pos -= 1
-            order[pos] = q
+        descending_order(v[r], order)
         for q in range(k):
             mem_ids[r, q] = ids[r, order[q]]
             mem_vals[r, q] = v[r, order[q]]
