@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
@@ -78,12 +80,13 @@ def instrument(driver, again: bool = False) -> dict[str, list[float]]:
     return times
 
 
-def time_attention_layers(impl_cls) -> tuple[dict[str, dict[int, list[float]]], object]:
-    """Wraps ``impl_cls.forward`` (the class attribute: every layer) to time each attention
-    layer call of the forward pass, by path and query rows: "tree" (a step with a tree: the
-    path-split kernel call, its scratch copies and writes, the K/V stash) or "stock" (vLLM's
-    own forward: plain steps and chains). Returns (path -> rows -> seconds per call, a
-    function that restores the original)."""
+@contextlib.contextmanager
+def attention_layers_timed(impl_cls) -> Iterator[dict[str, dict[int, list[float]]]]:
+    """While open, ``impl_cls.forward`` (the class attribute: every layer) times each
+    attention layer call of the forward pass, by path and query rows: "tree" (a step with a
+    tree: the path-split kernel call, its scratch copies and writes, the K/V stash) or
+    "stock" (vLLM's own forward: plain steps and chains). Yields path -> rows -> seconds per
+    call; the original forward is back on exit."""
     times: dict[str, dict[int, list[float]]] = {"tree": collections.defaultdict(list),
                                                 "stock": collections.defaultdict(list)}
     original = impl_cls.forward
@@ -98,11 +101,10 @@ def time_attention_layers(impl_cls) -> tuple[dict[str, dict[int, list[float]]], 
             times[path][int(query.shape[0])].append(time.perf_counter() - t)
 
     impl_cls.forward = forward
-
-    def restore() -> None:
+    try:
+        yield times
+    finally:
         impl_cls.forward = original
-
-    return times, restore
 
 
 def layer_table(times: dict[str, dict[int, list[float]]], least: int = 30) -> list[dict]:
@@ -178,22 +180,21 @@ def main(argv: list[str] | None = None) -> None:
     seeded = any(p.seed is not None for p in params)
     proposer = model_runner(llm).drafter
     times = instrument(proposer.recap_hooks, args.again)
-    layer_times, restore = None, None
-    if args.layers:
-        from vllm_recap.vllm.cpu_backend import RecapCPUAttentionImpl
+    with contextlib.ExitStack() as stack:
+        layer_times = None
+        if args.layers:
+            from vllm_recap.vllm.cpu_backend import RecapCPUAttentionImpl
 
-        layer_times, restore = time_attention_layers(RecapCPUAttentionImpl)
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    proposer.reset_figures()
-    for v in times.values():
-        v.clear()
-    for by_rows in (layer_times or {}).values():
-        by_rows.clear()
-    t0 = time.perf_counter()
-    for start in range(0, len(prompts), args.concurrency):  # default: batch 1
-        llm.generate(prompts[start:start + args.concurrency],
-                     params[start:start + args.concurrency], use_tqdm=False)
-    wall = time.perf_counter() - t0
+            layer_times = stack.enter_context(attention_layers_timed(RecapCPUAttentionImpl))
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+        proposer.reset_figures()
+        for v in [*times.values(), *(layer_times or {}).values()]:
+            v.clear()
+        t0 = time.perf_counter()
+        for start in range(0, len(prompts), args.concurrency):  # default: batch 1
+            llm.generate(prompts[start:start + args.concurrency],
+                         params[start:start + args.concurrency], use_tqdm=False)
+        wall = time.perf_counter() - t0
     steps = np.asarray(proposer.step_seconds) * 1e3
     seeding = np.asarray(proposer.seeding_seconds) * 1e3
     machine = cpu_line()
@@ -222,7 +223,6 @@ def main(argv: list[str] | None = None) -> None:
     if layer_times is not None:
         layer_calls = {path: sum(map(len, by_rows.values()))
                        for path, by_rows in layer_times.items()}
-        restore()
         layers = layer_table(layer_times)
         print("  attention layer calls, tree step against stock (plain / chain) step, same "
               "query rows:")

@@ -38,12 +38,14 @@ def sections(results: list[dict], settings: list[str], methods: list[str],
     for name in settings:
         s = SAMPLINGS[name]
         seeded = not s.deterministic and base_seed >= 0
-        rows = report.phase_rows(results, methods, "spec_bench", sampling=name,
-                                 identity=s.deterministic)
-        if seeded and dtype == "float32":  # RECAP's seeded draws are vLLM's own
-            checked = {r["method"]: r for r in report.phase_rows(
-                results, [m for m in methods if recap_draws(m)], "spec_bench", sampling=name)}
-            rows = [checked.get(r["method"], r) for r in rows]
+        # RECAP's seeded draws in float32 are vLLM's own: its rows keep the identity check
+        checked = {m for m in methods if recap_draws(m)} if seeded and dtype == "float32" \
+            else set()
+        rows = (report.phase_rows(results, [m for m in methods if m not in checked],
+                                  "spec_bench", sampling=name, identity=s.deterministic)
+                + report.phase_rows(results, [m for m in methods if m in checked],
+                                    "spec_bench", sampling=name))
+        rows.sort(key=lambda r: methods.index(r["method"]))
         if not s.deterministic and not seeded:  # unseeded sampling differs run to run by design
             for row in rows:
                 row["consistent_repeats"] = None
