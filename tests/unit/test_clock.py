@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from vllm_recap.vllm.clock import StepClock
@@ -80,3 +81,21 @@ def test_lm_head_times_estimate_a_call_from_the_row_counts_measured_around_it():
     assert times.estimate(64) == pytest.approx(0.030)
     times.observe(4, 0.020)  # a moving mean per row count
     assert times.estimate(4) == pytest.approx(0.015)
+
+
+def test_lm_head_times_price_more_rows_by_the_measured_staircase():
+    """What r more rows add to a step's LM-head call (the prompt seeder's price): the
+    difference of the measured curve at the step's rows + r and at its rows, interpolated,
+    flat beyond the measured counts, never negative (SmolLM2's 1-row call is dearer than its
+    2-row one)."""
+    from vllm_recap.vllm.clock import LmHeadTimes
+
+    times = LmHeadTimes()
+    assert times.growth(4, np.arange(3)) is None  # nothing measured
+    for rows, seconds in [(1, 0.0020), (2, 0.0013), (11, 0.0014), (17, 0.0030)]:
+        times.observe(rows, seconds)
+    more = np.array([0, 1, 10, 13, 16, 40])
+    assert times.growth(1, more) == pytest.approx([0, 0, 0, 0.0002, 0.0010, 0.0010])
+    assert times.growth(11, np.array([0, 3, 6, 20])) == pytest.approx(
+        [0, 0.0008, 0.0016, 0.0016])
+    assert times.growth(40, np.array([0, 10])) == pytest.approx([0, 0])  # beyond: flat

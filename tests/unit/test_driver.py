@@ -502,7 +502,8 @@ def test_prompt_rows_per_step_are_shared_out_among_decoding_requests():
 
     def plan(decoding, prefilling):
         return SimpleNamespace(num_computed=np.array([50] * decoding + [0] * prefilling),
-                               num_prompt=np.array([40] * decoding + [60] * prefilling))
+                               num_prompt=np.array([40] * decoding + [60] * prefilling),
+                               logits_starts=np.array([0, decoding + prefilling]))
 
     assert seeder.rows_this_step(plan(0, 3)) == 128  # nothing decodes: the whole bound
     assert seeder.rows_this_step(plan(1, 1)) == 128  # batch 1 as before
@@ -514,32 +515,58 @@ def test_prompt_rows_per_step_are_shared_out_among_decoding_requests():
 
 
 def test_prompt_rows_per_step_are_kept_within_their_measured_time():
-    """On one CPU rank the bound also keeps a step's rows within ``seconds_per_step`` by the
-    seconds per row measured in earlier seeding steps: 23 rows a step of Gemma-3-270M's
-    262k-wide rows made 5-10 ms steps, all of the proposer's p99 at batch 1."""
+    """On one CPU rank the bound also keeps a step's rows within ``seconds_per_step``: each
+    row's own work (measured in earlier seeding steps, their LM-head part left out) plus what
+    the rows add to the step's LM-head call, priced by the call's measured staircase -- 23
+    rows a step of Gemma-3-270M's 262k-wide rows made 5-10 ms steps (all of the proposer's
+    p99 at batch 1), and 8 rows cost ~0.2 ms in a 1-row step but 2-3 ms in a tree step."""
     from types import SimpleNamespace
 
+    from vllm_recap.vllm.clock import LmHeadTimes
     from vllm_recap.vllm.seeding import MIN_ROWS_PER_STEP, PromptSeeder, seconds_per_step
 
-    def plan(decoding, prefilling):
+    def plan(decoding, prefilling, own_rows=None):
+        rows = decoding + prefilling if own_rows is None else own_rows
         return SimpleNamespace(num_computed=np.array([50] * decoding + [0] * prefilling),
-                               num_prompt=np.array([40] * decoding + [60] * prefilling))
+                               num_prompt=np.array([40] * decoding + [60] * prefilling),
+                               logits_starts=np.array([0, rows]))
 
+    lm_head = LmHeadTimes()
     seeder = PromptSeeder(256, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=128,
-                          seconds_per_step=0.002)
+                          seconds_per_step=0.002, lm_head=lm_head)
     assert seeder.rows_this_step(plan(1, 1)) == 128  # nothing measured yet: the row bound
     seeder.observe(0, 0.5)  # a step without rows measures nothing
     assert seeder.row_seconds is None
-    seeder.observe(20, 0.004)  # 0.2 ms a row: 10 rows fit in 2 ms
+    seeder.observe(20, 0.004)  # 0.2 ms a row, no LM-head call measured: 10 rows fit in 2 ms
     assert seeder.rows_this_step(plan(1, 1)) == 10
     assert seeder.rows_this_step(plan(4, 1)) == MIN_ROWS_PER_STEP  # shared out, floored
+    seeder.observe(10, 0.012, head_seconds=0.010)  # the LM-head part is priced apart
+    assert seeder.row_seconds == pytest.approx(0.0002)
     seeder.observe(10, 0.010)  # dearer rows: the moving estimate rises (1 ms a row)
     assert seeder.row_seconds == pytest.approx(0.0002 + 0.25 * (0.001 - 0.0002))
-    assert seeder.rows_this_step(plan(1, 1)) == MIN_ROWS_PER_STEP
+    assert seeder.rows_this_step(plan(1, 1)) == 5
     for _ in range(40):
         seeder.observe(100, 0.001)  # cheap rows: up to the row bound again, never above
     assert seeder.rows_this_step(plan(1, 1)) == 128
-    untimed = PromptSeeder(256, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=128)
+
+    # the LM head's staircase (Gemma-3-270M-like): flat to 11 rows, +0.7 ms to 16, +1.9 to 24
+    staircase = PromptSeeder(256, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=128,
+                             seconds_per_step=0.002, lm_head=lm_head)
+    for rows, seconds in [(1, 0.014), (11, 0.014), (12, 0.0147), (16, 0.0147), (17, 0.0166),
+                          (24, 0.0166)]:
+        lm_head.observe(rows, seconds)
+    staircase.observe(20, 0.0012)  # 0.06 ms a row of its own work
+    assert staircase.rows_this_step(plan(1, 0, own_rows=1)) == 15  # 10 free, 5 for 0.7 ms
+    assert staircase.rows_this_step(plan(1, 0, own_rows=13)) == 3  # 17 rows cost 1.9 ms more
+    # beyond the largest count measured a call is priced as that one (then measured)
+    assert staircase.rows_this_step(plan(1, 0, own_rows=17)) == 33
+    dear = PromptSeeder(256, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=128,
+                        seconds_per_step=0.002, lm_head=lm_head)
+    dear.observe(1, 0.010)
+    assert dear.rows_this_step(plan(1, 0)) == 1  # at least one row: prices stay measured
+
+    untimed = PromptSeeder(256, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=128,
+                           lm_head=lm_head)
     untimed.observe(10, 0.010)
     assert untimed.rows_this_step(plan(1, 1)) == 128
     # measured only where every rank would measure the same: one CPU rank
@@ -549,16 +576,16 @@ def test_prompt_rows_per_step_are_kept_within_their_measured_time():
 
 def test_the_driver_times_each_seeding_step_for_the_seeder():
     """Every step that computes prompt rows reports their rows and seconds (all its seeding
-    time: choosing, the rows' share of the LM-head call, top-K), and later steps stay within
-    the time bound; output is the reference's."""
-    from vllm_recap.vllm.seeding import MIN_ROWS_PER_STEP, PromptSeeder
+    time: choosing, the rows' share of the LM-head call, top-K) and the LM-head part of them,
+    and later steps stay within the time bound; output is the reference's."""
+    from vllm_recap.vllm.seeding import PromptSeeder
 
     engine = _engine(chunk=64)
     driver = engine.drivers[0]
     # any measured row is too dear for this bound: every step after the first seeding step
-    # computes MIN_ROWS_PER_STEP rows at most
+    # computes one row
     driver.seeder = PromptSeeder(32, 8, np.zeros(VOCAB, np.bool_), max_rows_per_step=30,
-                                 seconds_per_step=1e-9)
+                                 seconds_per_step=1e-9, lm_head=driver.lm_head)
     per_step, observed = [], []
     plan, observe = driver.seeder.plan, driver.seeder.observe
 
@@ -567,18 +594,31 @@ def test_the_driver_times_each_seeding_step_for_the_seeder():
         per_step.append(0 if step is None else step.num_rows)
         return step
 
-    def observed_(rows, seconds):
-        observed.append((rows, seconds))
-        observe(rows, seconds)
+    def observed_(rows, seconds, head_seconds):
+        observed.append((rows, seconds, head_seconds))
+        observe(rows, seconds, head_seconds)
 
     driver.seeder.plan, driver.seeder.observe = planned, observed_
+    calls, head_observe = [], driver.lm_head.observe
+
+    def head_observed(rows, seconds):
+        calls.append(rows)
+        head_observe(rows, seconds)
+
+    driver.lm_head.observe = head_observed
     _add_all(engine, 24)
     out = engine.run()
     seeded = [rows for rows in per_step if rows]
-    assert [rows for rows, _ in observed] == seeded  # every seeding step, once
-    assert all(seconds > 0 for _, seconds in observed)
-    assert seeded[0] == 30 and max(seeded[1:]) == MIN_ROWS_PER_STEP
-    assert driver.seeder.rows_seeded == sum(min(32, len(set(p))) for p in PROMPTS.values())
+    # every LM-head call is a sample of its row count, those that carried prompt rows too:
+    # the first seeding step's call (its own rows, one per request, plus 30) included
+    assert calls and max(calls) >= 30 + 1
+    assert [rows for rows, _, _ in observed] == seeded  # every seeding step, once
+    assert all(0 <= head <= seconds and seconds > 0 for _, seconds, head in observed)
+    assert seeded[0] == 30 and max(seeded[1:]) == 1
+    # one row a step: rows still waiting when their request ends go with its record
+    chosen = sum(min(32, len(set(p))) for p in PROMPTS.values())
+    assert driver.seeder.rows_seeded == sum(seeded) < chosen
+    assert len(driver.records) == 0
     assert out == _reference(engine.target, 24)
 
 

@@ -165,7 +165,8 @@ class StepDriver:
         self.clock = StepClock()
         self.lm_head = LmHeadTimes()
         self.seeder = PromptSeeder(config.prompt_seed_rows, config.top_k, settings.blocked,
-                                   settings.seed_rows_per_step, settings.seed_seconds_per_step)
+                                   settings.seed_rows_per_step, settings.seed_seconds_per_step,
+                                   self.lm_head)
         self.budget = BudgetController(settings.num_spec_tokens, config.depth_discounts)
         self.adaptive = config.budget_policy is BudgetPolicy.ADAPTIVE
         self.metrics = TreeMetrics()
@@ -543,7 +544,8 @@ class StepDriver:
         self._note_idle()
         ctx.timing.work += time.perf_counter() - t0
         if ctx.seeding is not None:  # what this step's prompt rows cost, all parts
-            self.seeder.observe(ctx.seeding.num_rows, ctx.timing.seeding)
+            self.seeder.observe(ctx.seeding.num_rows, ctx.timing.seeding,
+                                ctx.seeding.head_seconds)
         self.clock.step_finished(ctx.timing)
         return drafts
 
@@ -762,7 +764,11 @@ class StepDriver:
         # The rows' share of the call, where a call of the step's own rows was measured: the
         # step is then still a cost sample for the budget (see LmHeadTimes).
         own = self.lm_head.estimate(n) if timed else None
-        spent = (t1 - t0) + (max(0.0, t2 - t1 - own) if own is not None else 0.0)
+        head = max(0.0, t2 - t1 - own) if own is not None else 0.0
+        if timed:  # a sample of the call at its whole row count (prices later steps' rows)
+            self.lm_head.observe(joined.shape[0], t2 - t1)
+        spent = (t1 - t0) + head
+        step.head_seconds += head
         ctx.timing.seeding += spent
         ctx.timing.work += spent
         ctx.timing.shared_lm_head = own is None

@@ -18,18 +18,22 @@ computes them with a call of their own. At most ``max_rows_per_step`` rows are c
 step over the batch (on a CPU a multiply-add budget, :func:`rows_per_step`), shared out among
 the step's decoding requests (:meth:`PromptSeeder.rows_this_step`); the others wait,
 as copies of their hidden states, for the next steps. On a CPU with one tensor-parallel rank
-the bound also keeps a step's rows within ``SEED_SECONDS_PER_STEP`` by their measured cost;
-with several ranks it depends on the model only, so every rank seeds the same rows. Rows
-reach the drafter when the request starts decoding, or at once if it already has.
+the bound also keeps a step's rows within ``SEED_SECONDS_PER_STEP`` by their measured cost:
+what they add to the step's own LM-head call (by the call's measured cost per row count,
+:meth:`~vllm_recap.vllm.clock.LmHeadTimes.growth`) plus their own work per row (top-K,
+processing); with several ranks it depends on the model only, so every rank seeds the same
+rows. Rows reach the drafter when the request starts decoding, or at once if it already has.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from vllm_recap.vllm.clock import LmHeadTimes
 from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.memory_rows import process_rows
 from vllm_recap.vllm.records import RequestBook
@@ -47,19 +51,21 @@ from vllm_recap.vllm.verifier import topk_rows
 # at a fixed budget, recap-tree-no-seed under the adaptive default (at concurrency 4, 9
 # interleaved rounds: no visible difference, 2026-12-03).
 CPU_SEED_MACS_PER_STEP = 4e9
-# The floor holds under the time bound too: a step's seeding time is a jump plus its rows (the
-# LM-head call's kernel changes with the joined row count), so fewer rows a step only makes
-# more slow steps -- floor 1 raised Gemma-3-270M's p99 from 6.2-6.3 to 6.8-7.5 ms (Intel
-# Xeon, bf16, `benchmarks/results/gemma-seed-floor-xeon_2026-12-06/`).
+# The fewest rows a decoding request's share of a step's bound is cut to (``rows_this_step``).
 MIN_ROWS_PER_STEP = 8
 MAX_ROWS_PER_STEP = 128
 # ... and, where the engine runs on one CPU rank, a time bound measured as it runs: a row costs
-# its LM-head row, its logits (V floats written and read) and a top-K over them -- on the Intel
-# Xeon (bf16) ~0.02 ms for SmolLM2 but 0.2-0.35 ms for Gemma-3-270M (262k vocabulary), whose 23
-# rows a step (the multiply-add budget) made 5-10 ms steps; and ~0.07 ms for SmolLM2 in
-# float32, whose 128 rows made 9-11 ms steps. Those steps were all of the proposer's p99 at
-# batch 1 (SmolLM2 bf16 4.3 ms, 2.3 without seeding; float32 10.8 / 2.7; Gemma-3-270M 12.8 /
-# 3.7; 13 Spec-Bench prompts x 128, `benchmarks.proposer_profile`, 2026-12-06).
+# what it adds to the step's LM-head call, plus its logits (V floats written and read) and a
+# top-K over them -- on the Intel Xeon (bf16) ~0.02 ms for SmolLM2 but 0.2-0.35 ms for
+# Gemma-3-270M (262k vocabulary), whose 23 rows a step (the multiply-add budget) made 5-10 ms
+# steps; and ~0.07 ms for SmolLM2 in float32, whose 128 rows made 9-11 ms steps. Those steps
+# were all of the proposer's p99 at batch 1 (SmolLM2 bf16 4.3 ms, 2.3 without seeding; float32
+# 10.8 / 2.7; Gemma-3-270M 12.8 / 3.7; 13 Spec-Bench prompts x 128,
+# `benchmarks.proposer_profile`, 2026-12-06). A bound by an average cost per row, floored at 8
+# rows, still left Gemma-3-270M's p99 at 7.4-8.0 ms, every p99 step a seeding one: its LM head
+# is a staircase in the call's rows (~14 ms flat to 11 rows, then steps of 0.7-1.8 ms), so 8
+# rows cost ~0.2 ms in a 1-row step and ~2-3 ms in a step verifying a 12-node tree. The bound
+# now prices each step's rows by that staircase as measured (`LmHeadTimes.growth`).
 SEED_SECONDS_PER_STEP = 2e-3
 ROW_SECONDS_WEIGHT = 0.25  # of each seeding step's seconds per row in the moving estimate
 
@@ -92,6 +98,8 @@ class SeedStep:
             steps and computed in this one.
         hidden: [T, hidden] this step's last hidden states (from the forward hook).
         logits: [rows, V] the rows' logits (waiting first, then picked), once computed.
+        head_seconds: the LM-head part of the step's seeding seconds (the rows' share of the
+            step's own call, or a call of their own).
     """
 
     picks: list[tuple[int, np.ndarray]]
@@ -99,6 +107,7 @@ class SeedStep:
     waiting: list[tuple[str, np.ndarray, torch.Tensor]]
     hidden: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    head_seconds: float = 0.0
 
     @property
     def num_rows(self) -> int:
@@ -116,39 +125,54 @@ class PromptSeeder:
         blocked: [V] bool, tokens never seeded (image/video placeholders).
         max_rows_per_step: most rows computed per engine step over all requests (see
             :func:`rows_per_step`); chosen rows beyond it wait for the next steps.
-        seconds_per_step: also keep a step's rows within this many seconds, by the seconds
-            per row measured in earlier seeding steps (:meth:`observe`); None: the row bound
-            alone (where and why: :func:`seconds_per_step`).
+        seconds_per_step: also keep a step's rows within this many seconds (see
+            :meth:`step_bound`); None: the row bound alone (where and why:
+            :func:`seconds_per_step`).
+        lm_head: the target's LM-head calls' measured seconds by row count (the driver's),
+            which price the rows a step's call carries; None: rows priced by their own work
+            alone.
     """
 
     def __init__(self, max_rows: int, top_k: int, blocked: np.ndarray,
                  max_rows_per_step: int = MAX_ROWS_PER_STEP,
-                 seconds_per_step: float | None = None) -> None:
+                 seconds_per_step: float | None = None,
+                 lm_head: LmHeadTimes | None = None) -> None:
         self.max_rows = max_rows
         self.top_k = top_k
         self.blocked = blocked
         self.max_rows_per_step = max_rows_per_step
         self.seconds_per_step = seconds_per_step
-        self.row_seconds: float | None = None  # moving seconds per row of seeding steps
+        self.lm_head = lm_head
+        # moving seconds per row of seeding steps, their LM-head part left out
+        self.row_seconds: float | None = None
         self.rows_seeded = 0
         self.fused_rows = 0  # rows that rode along with a step's own LM-head call
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A step computed ``rows`` prompt rows in ``seconds`` (its seeding time, all of it)."""
+    def observe(self, rows: int, seconds: float, head_seconds: float = 0.0) -> None:
+        """A step computed ``rows`` prompt rows in ``seconds`` (its seeding time, all of it),
+        ``head_seconds`` of them in the LM head (priced apart: :meth:`step_bound`)."""
         if rows <= 0:
             return
-        per_row = seconds / rows
+        per_row = max(0.0, seconds - head_seconds) / rows
         old = self.row_seconds
         self.row_seconds = per_row if old is None else old + ROW_SECONDS_WEIGHT * (per_row - old)
 
-    def step_bound(self) -> int:
-        """Most rows this step over the batch: ``max_rows_per_step``, and where a time bound
-        is set and rows were measured, the rows that fit in ``seconds_per_step`` (at least
-        ``MIN_ROWS_PER_STEP``)."""
-        if self.seconds_per_step is None or not self.row_seconds:
+    def step_bound(self, own_rows: int) -> int:
+        """Most rows this step over the batch, whose own LM-head call has ``own_rows`` rows:
+        ``max_rows_per_step``, and where a time bound is set and rows were measured, the most
+        rows r whose measured price -- what r more rows add to the call
+        (:meth:`~vllm_recap.vllm.clock.LmHeadTimes.growth`) plus r times their own work per
+        row -- is within ``seconds_per_step``; at least 1, so the prices go on being measured.
+        """
+        if self.seconds_per_step is None or self.row_seconds is None:
             return self.max_rows_per_step
-        fit = int(self.seconds_per_step / self.row_seconds)
-        return min(self.max_rows_per_step, max(MIN_ROWS_PER_STEP, fit))
+        rows = np.arange(self.max_rows_per_step + 1)
+        price = rows * self.row_seconds
+        growth = self.lm_head.growth(own_rows, rows) if self.lm_head is not None else None
+        if growth is not None:
+            price = price + growth
+        fit = np.flatnonzero(price <= self.seconds_per_step)
+        return max(1, int(fit[-1]) if fit.size else 0)
 
     def plan(self, plan: StepPlan, token_ids: np.ndarray, records: RequestBook
              ) -> SeedStep | None:
@@ -156,6 +180,9 @@ class PromptSeeder:
         earlier steps (batch order, oldest first); at most ``max_rows_per_step`` are computed
         now, waiting ones first. None when there is nothing to seed."""
         picks = self.choose(plan, token_ids, records)
+        if not picks and not any(records.get(r).seed.pending
+                                 for r in plan.req_ids if r in records):
+            return None
         room = self.rows_this_step(plan)
         waiting = []
         for req_id in plan.req_ids:
@@ -175,11 +202,12 @@ class PromptSeeder:
 
     def rows_this_step(self, plan: StepPlan) -> int:
         """:meth:`step_bound` divided among the step's decoding requests (at least
-        ``MIN_ROWS_PER_STEP``): a seeding step stalls every one of them, while its rows serve
-        one request's drafts. At concurrency 16 (bf16 SmolLM2, 2-core EPYC) the steps that
-        seeded 128 rows ran 33-55 ms against 22-25 ms without (the steps right after a burst
-        of arrivals), for drafts that under load pay little (see the comment above)."""
-        bound = self.step_bound()
+        ``MIN_ROWS_PER_STEP``, never above the bound): a seeding step stalls every one of
+        them, while its rows serve one request's drafts. At concurrency 16 (bf16 SmolLM2,
+        2-core EPYC) the steps that seeded 128 rows ran 33-55 ms against 22-25 ms without (the
+        steps right after a burst of arrivals), for drafts that under load pay little (see
+        the comment above)."""
+        bound = self.step_bound(int(plan.logits_starts[-1]))
         decoding = int(np.count_nonzero(plan.num_computed >= plan.num_prompt))
         share = bound // max(1, decoding)
         return min(bound, max(MIN_ROWS_PER_STEP, share))
@@ -267,9 +295,11 @@ class PromptSeeder:
             return
         logits = step.logits
         if logits is None:
-            logits = compute_logits(torch.cat(
-                [rows for _, _, rows in step.waiting]
-                + self._picked_hidden(step, plan, hidden_states, 0, step.now)))
+            rows = torch.cat([rows for _, _, rows in step.waiting]
+                             + self._picked_hidden(step, plan, hidden_states, 0, step.now))
+            t0 = time.perf_counter()
+            logits = compute_logits(rows)
+            step.head_seconds += time.perf_counter() - t0
         else:
             self.fused_rows += step.num_rows
         ids, probs = topk_rows(logits, self.top_k)
