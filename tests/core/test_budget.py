@@ -255,6 +255,32 @@ def test_a_plain_step_never_costs_less_than_a_smaller_one(steps) -> None:
         assert all(b >= a - 1e-12 for a, b in zip(estimates, estimates[1:]))
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 2, 4, 9, 17, 33, 64]),
+                          st.sampled_from([0, 100, 700]), st.sampled_from([0, 0, 4, 8, 16]),
+                          st.booleans(), st.floats(0.5, 2.0)), min_size=1, max_size=10))
+def test_prices_kept_between_observations_equal_prices_computed_afresh(steps) -> None:
+    """Estimates are kept per table until its next observation (the controller prices the
+    same sizes every step): a model asked after every step prices exactly as a fresh model
+    fed the same steps and asked once."""
+    asked = StepCostModel()
+    sizes = [(n, d, tree) for n in (1, 3, 8, 20, 40, 90) for d in (0, 4, 12)
+             for tree in (True, False) if d < n]
+
+    def prices(m):
+        return [(m.estimate(n, c, d, tree), m.priced(n, c))
+                for n, d, tree in sizes for c in (0, 100, 300, 700, 3000)]
+
+    for i, (n, context, drafts, tree, scale) in enumerate(steps):
+        seconds = scale * (0.02 + 0.0005 * n * (1 + context / 1000))
+        asked.observe(n + drafts, seconds, context=context, drafts=drafts, tree=tree)
+        fresh = StepCostModel()
+        for n2, c2, d2, t2, s2 in steps[:i + 1]:
+            fresh.observe(n2 + d2, s2 * (0.02 + 0.0005 * n2 * (1 + c2 / 1000)), context=c2,
+                          drafts=d2, tree=t2)
+        assert prices(asked) == prices(fresh)
+
+
 def test_larger_batches_get_smaller_budgets():
     costs = {n: 0.05 + 0.004 * n for n in range(1, 300)}
     ctl = _controller_after(costs, accept=0.8)
