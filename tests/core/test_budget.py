@@ -260,9 +260,9 @@ def test_a_plain_step_never_costs_less_than_a_smaller_one(steps) -> None:
                           st.sampled_from([0, 100, 700]), st.sampled_from([0, 0, 4, 8, 16]),
                           st.booleans(), st.floats(0.5, 2.0)), min_size=1, max_size=10))
 def test_prices_kept_between_observations_equal_prices_computed_afresh(steps) -> None:
-    """Estimates are kept per table until its next observation (the controller prices the
-    same sizes every step): a model asked after every step prices exactly as a fresh model
-    fed the same steps and asked once."""
+    """Derived curves, slopes and bucket orders are kept per table until its next
+    observation: a model asked after every step prices exactly as a fresh model fed the same
+    steps and asked once."""
     asked = StepCostModel()
     sizes = [(n, d, tree) for n in (1, 3, 8, 20, 40, 90) for d in (0, 4, 12)
              for tree in (True, False) if d < n]

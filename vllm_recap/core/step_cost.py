@@ -47,11 +47,6 @@ class _CostTable:
         self._curves: dict[int, tuple[list[float], list[float]]] = {}
         self._slopes: dict[int, float | None] = {}
         self._orders: dict[int, list[int]] = {}
-        # (context bucket, size) -> priced_estimate: a size beyond this bucket's measured ones
-        # walks the other buckets' curves, and the controller asks for every level's plain
-        # cost so each step (at batch 1 ~8 such walks a step, ~40% of its pricing time); the
-        # plain table changes only in steps without drafts, so these mostly carry over.
-        self._priced: dict[tuple[int, int], tuple[float | None, bool]] = {}
 
     def observe(self, key: tuple[int, int], seconds: float, step: int, ema: float,
                 stale: bool, clamped: bool) -> None:
@@ -64,7 +59,6 @@ class _CostTable:
         self._curves.clear()
         self._slopes.clear()
         self._orders.clear()
-        self._priced.clear()
 
     def buckets_by_distance(self, ctx: int) -> list[int]:
         """Measured context buckets, nearest to ``ctx`` first (the larger on a tie)."""
@@ -145,14 +139,7 @@ class _CostTable:
         priced: anything extrapolated beyond every measurement used, levels from a bucket two
         or more away, shapes from prefill-only steps (context bucket 0) for a decode bucket.
         The bucket lending a shape is chosen without looking at ``size``, so the estimate
-        stays monotone in the size. Kept until the next observation."""
-        hit = self._priced.get((ctx, size))
-        if hit is None:
-            hit = self._priced[(ctx, size)] = self._price(ctx, size)
-        return hit
-
-    def _price(self, ctx: int, size: int) -> tuple[float | None, bool]:
-        """:meth:`priced_estimate`, computed."""
+        stays monotone in the size."""
         order = self.buckets_by_distance(ctx)
         if not order:
             return None, False
