@@ -65,7 +65,11 @@ MAX_ROWS_PER_STEP = 128
 # rows, still left Gemma-3-270M's p99 at 7.4-8.0 ms, every p99 step a seeding one: its LM head
 # is a staircase in the call's rows (~14 ms flat to 11 rows, then steps of 0.7-1.8 ms), so 8
 # rows cost ~0.2 ms in a 1-row step and ~2-3 ms in a step verifying a 12-node tree. The bound
-# now prices each step's rows by that staircase as measured (`LmHeadTimes.growth`).
+# now prices each step's rows by that staircase as measured (`LmHeadTimes.growth`), and its
+# floor is 1 row (so prices go on being measured): under the average-per-row bound a floor of
+# 1 had raised Gemma-3-270M's p99 from 6.2-6.3 to 6.8-7.5 ms, the jumps of the staircase
+# being paid by more steps (`benchmarks/results/gemma-seed-floor-xeon_2026-12-06/`); priced,
+# a jump is paid only where it fits.
 SEED_SECONDS_PER_STEP = 2e-3
 ROW_SECONDS_WEIGHT = 0.25  # of each seeding step's seconds per row in the moving estimate
 
@@ -295,10 +299,10 @@ class PromptSeeder:
             return
         logits = step.logits
         if logits is None:
-            rows = torch.cat([rows for _, _, rows in step.waiting]
-                             + self._picked_hidden(step, plan, hidden_states, 0, step.now))
+            hidden = torch.cat([rows for _, _, rows in step.waiting]
+                               + self._picked_hidden(step, plan, hidden_states, 0, step.now))
             t0 = time.perf_counter()
-            logits = compute_logits(rows)
+            logits = compute_logits(hidden)
             step.head_seconds += time.perf_counter() - t0
         else:
             self.fused_rows += step.num_rows
