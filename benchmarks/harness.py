@@ -195,8 +195,9 @@ class Server:
 
     def serve(self, prompts: list, concurrency: int,
               params: list | None = None) -> tuple[list[dict], dict]:
-        """Returns one record per prompt (output ids, seconds, counter deltas at concurrency 1,
-        RECAP's tree counts too) and the loop's figures.
+        """Returns one record per prompt (output ids, seconds, seconds to the first token --
+        vLLM's ``first_token_latency``, None where the engine keeps no stats --, counter
+        deltas at concurrency 1, RECAP's tree counts too) and the loop's figures.
 
         Args:
             params: one SamplingParams per prompt (a seeded setting's per-request seeds);
@@ -208,16 +209,22 @@ class Server:
         trees: dict[int, dict | None] = {}
         cpu: dict[int, tuple | None] = {}
         records: dict[int, dict] = {}
+        ids: dict[int, str] = {}  # prompt index -> request id
+        ttft: dict[str, float | None] = {}  # request id -> seconds to its first token
 
         def submit(i: int) -> str:
             # vLLM appends a random suffix to the request id it was given; outputs carry the
             # given id (a decimal counter), which is the part before the first "-".
             p = self.params if params is None else params[i]
-            return llm.enqueue([prompts[i]], p, use_tqdm=False)[0].split("-", 1)[0]
+            ids[i] = llm.enqueue([prompts[i]], p, use_tqdm=False)[0].split("-", 1)[0]
+            return ids[i]
 
         def step():
-            return [(o.request_id, o.outputs[0].token_ids) for o in llm.llm_engine.step()
-                    if o.finished]
+            done = [o for o in llm.llm_engine.step() if o.finished]
+            for o in done:  # vLLM's own figure: from the request's arrival to its first token
+                ttft[o.request_id] = (o.metrics.first_token_latency
+                                      if o.metrics is not None else None)
+            return [(o.request_id, o.outputs[0].token_ids) for o in done]
 
         def before_submit(i: int) -> None:
             if per_request:
@@ -226,7 +233,8 @@ class Server:
                 cpu[i] = CpuShare.sample()
 
         def after_finish(f: Finished) -> None:
-            rec = {"output_ids": f.output_ids, "seconds": f.latency}
+            rec = {"output_ids": f.output_ids, "seconds": f.latency,
+                   "ttft_s": ttft.pop(ids.pop(f.index), None)}
             if per_request:
                 rec["foreign_cpu"] = CpuShare.foreign(cpu.pop(f.index), CpuShare.sample())
                 delta = counter_delta(engine_counters(llm), marks.pop(f.index))

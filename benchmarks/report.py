@@ -15,6 +15,10 @@ Definitions (design.md, section 5):
 - draft nodes/step: draft tokens / drafts; draft rate: drafts / passes (how often a request
   verified a draft at all: the adaptive budget may choose none).
 - ms/pass (batch 1): seconds per target pass; step ms (load): wall time per engine step.
+- TTFT: vLLM's own ``first_token_latency`` of each request (from its arrival in the engine
+  to its first token: prefill, and under load the queue); batch 1: its p50 over prompts in
+  ms, load: p50 and p99 in seconds. Prompt seeding's rows ride along with the prefill
+  step's LM-head call, so TTFT is where they would show.
 - With ``--repeats`` > 1 a prompt's seconds are the median over repeats, its counters the mean.
 - tree share (RECAP methods, batch 1; from the proposer's own counters, ``StepDriver.stats``,
   taken per request): ``tree_share`` = tree verifications / drafted request-steps, where a
@@ -108,13 +112,23 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def _ttfts(recs: dict[str, dict]) -> list[float]:
+    """The records' seconds to the first token, where known."""
+    return [r["ttft_s"] for r in recs.values() if r.get("ttft_s") is not None]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
 # -- merging repeats ------------------------------------------------------------------------
 
 def merge_requests(jobs: list[dict]) -> dict[str, dict]:
     """Prompt id -> one record over repeats of the same (method, phase, concurrency).
 
-    seconds: median over repeats; counters: mean; output_ids: the first repeat's, with
-    ``consistent`` False if a repeat produced different tokens.
+    seconds and ttft_s (seconds to the first token): medians over repeats; counters: mean;
+    output_ids: the first repeat's, with ``consistent`` False if a repeat produced different
+    tokens.
     """
     grouped: dict[str, list[dict]] = defaultdict(list)
     for job in jobs:
@@ -126,6 +140,8 @@ def merge_requests(jobs: list[dict]) -> dict[str, dict]:
         merged = {k: v for k, v in first.items() if k not in ("seconds", *COUNTER_KEYS, *TREE_KEYS)}
         merged["seconds"] = statistics.median(r["seconds"] for r in recs)
         merged["seconds_all"] = [r["seconds"] for r in recs]
+        firsts = [r["ttft_s"] for r in recs if r.get("ttft_s") is not None]
+        merged["ttft_s"] = statistics.median(firsts) if firsts else None
         for key in (*COUNTER_KEYS, *TREE_KEYS):
             if key in first:
                 merged[key] = statistics.fmean(r.get(key, 0) for r in recs)
@@ -172,6 +188,8 @@ def prompt_figures(recs: dict[str, dict], baseline: dict[str, dict] | None) -> d
         # cost of one target pass including drafting: separates "fewer passes" from "dearer
         # passes", and shows machine drift between jobs (none's ms/pass is its ms/token)
         "ms_per_pass": 1000 * seconds / passes if passes > 0 else None,
+        # prefill and the first step (prompt seeding's rows ride along with it)
+        "ttft_p50_ms": _ms(percentile(_ttfts(recs), 50)),
         "consistent_repeats": all(r.get("consistent", True) for r in recs.values()),
         "foreign_cpu": max((r["foreign_cpu"] for r in recs.values() if r.get("foreign_cpu") is not None),
                            default=None),
@@ -308,6 +326,7 @@ def load_rows(results: list[dict], methods: list[str], concurrencies: list[int])
             counters = merged_counters(ok)
             passes = tokens * max(1, len(ok)) - counters["accepted_tokens"]
             latencies = [r["seconds"] for r in recs.values()]
+            firsts = _ttfts(recs)
             steps = statistics.fmean((j.get("loop") or {}).get("steps", 0) for j in ok) if ok else 0
             step_us = ((ok[0].get("proposer") or {}).get("step_us") or {}) if ok else {}
             per_method[method] = (recs, {
@@ -315,6 +334,7 @@ def load_rows(results: list[dict], methods: list[str], concurrencies: list[int])
                 "output_tokens": tokens, "seconds": seconds,
                 "tokens_per_s": tokens / seconds if seconds else None,
                 "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
+                "ttft_p50_s": percentile(firsts, 50), "ttft_p99_s": percentile(firsts, 99),
                 "acceptance_length": (1 + counters["accepted_tokens"] / counters["drafts"]
                                       if counters["drafts"] else None),
                 "tokens_per_pass": tokens * max(1, len(ok)) / passes if passes > 0 else None,

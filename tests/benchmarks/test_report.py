@@ -68,6 +68,23 @@ def test_merge_requests_takes_the_median_seconds_and_mean_counters_over_repeats(
     merged = report.merge_requests(jobs)["a"]
     assert merged["seconds"] == 2.0 and merged["seconds_all"] == [1.0, 3.0, 2.0]
     assert merged["drafts"] == 4.0 and merged["consistent"] is False
+    assert merged["ttft_s"] is None  # no repeat knew its first token's time
+
+
+def test_time_to_first_token_is_the_median_over_repeats_and_a_percentile_over_prompts():
+    """TTFT (vLLM's first_token_latency per request: prefill plus the first step, where
+    prompt seeding's rows ride along) -- per prompt the median over repeats, then the
+    batch-1 table's p50 in ms and the load table's p50 / p99 in seconds."""
+    jobs = [_job("none", requests=[_rec("a", 4, 1.0, ttft_s=t), _rec("b", 4, 1.0, ttft_s=0.5)])
+            for t in (0.1, None, 0.3)]
+    merged = report.merge_requests(jobs)
+    assert merged["a"]["ttft_s"] == pytest.approx(0.2) and merged["b"]["ttft_s"] == 0.5
+    assert report.prompt_figures(merged, None)["ttft_p50_ms"] == pytest.approx(350.0)
+    load = {(r["method"], r["concurrency"]): r
+            for r in report.load_rows(jobs, ["none"], [1])}[("none", 1)]
+    assert load["ttft_p50_s"] == pytest.approx(0.35)
+    assert load["ttft_p99_s"] == pytest.approx(0.2 + 0.99 * 0.3)
+    assert "TTFT p50 s" in markdown.markdown_table([load], markdown.LOAD)
 
 
 # -- acceptance histogram from vLLM's per-position counters ---------------------------------

@@ -39,6 +39,12 @@ def run_result(tiny_qwen2, tiny_qwen2_vl, tmp_path_factory):
     return out, json.loads((out / "result.json").read_text()), proc.stdout
 
 
+def _requests(result: dict, method: str) -> list[dict]:
+    """The batch-1 Spec-Bench records of ``method``."""
+    return [r for j in result["jobs"] if j["method"] == method and j["phase"] == "spec_bench"
+            and j["concurrency"] == 1 for r in j.get("requests", [])]
+
+
 def test_outputs_exist(run_result):
     out, result, stdout = run_result
     for name in ("result.json", "summary.md", "speedup_by_category.png",
@@ -61,6 +67,7 @@ def test_batch1_tables(run_result):
         row = overall[name]
         assert row["identical"] == row["compared"] == 2, row  # float32: lossless
         assert row["speedup_geomean"] > 0 and row["proposer_p50_us"] > 0 and row["peak_rss_mb"] > 0
+        assert 0 < row["ttft_p50_ms"] < 1000 * max(r["seconds"] for r in _requests(result, name))
     assert overall["recap-tree"]["proposer_kind"] == "recap" and overall["recap-tree"]["u_bytes"] > 0
     assert {(r["category"], r["method"]) for r in s["per_category"]} == {
         (c, m) for c in ("qa", "translation") for m in overall}
@@ -77,6 +84,7 @@ def test_load_two_turn_ablation_and_multimodal_tables(run_result):
     assert set(load) == {("none", 1), ("ngram", 1), ("recap-tree", 1), ("none", 2), ("recap-tree", 2)}
     assert load[("recap-tree", 2)]["max_in_flight"] == 2 and load[("recap-tree", 2)]["vs_none"] > 0
     assert load[("recap-tree", 2)]["identical"] == 2
+    assert 0 < load[("recap-tree", 2)]["ttft_p50_s"] <= load[("recap-tree", 2)]["ttft_p99_s"]
     turns = {(r["method"], r["turn"]): r for r in s["two_turn"]}
     assert set(turns) == {(m, t) for m in ("none", "recap-tree") for t in (1, 2)}
     assert turns[("recap-tree", 2)]["identical"] == 1
