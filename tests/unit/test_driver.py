@@ -385,6 +385,35 @@ def test_a_batch_that_mostly_drafts_does_not_idle_through_a_run_of_declines():
     assert engine.run() == _reference(engine.target, 300)
 
 
+def test_a_batch_of_new_requests_does_not_inherit_the_idle_mode():
+    """The idle mode is a property of the batch; at batch 1 every request is a new batch.
+    A request arriving after its predecessor finished idle was prefilled idle: its prompt
+    was never seeded (seeding takes positions from prefill chunks) and it waited a probe
+    period for its first drafts (at batch 1, 26 Spec-Bench prompts, bf16 SmolLM2: 3 of 9
+    requests sampled). A batch none of whose requests ran before starts with no history."""
+    from vllm_recap.vllm.driver import IDLE_AFTER
+
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config, max_model_len=2048)
+    driver = engine.drivers[0]
+    choice = {"b": 0}
+    driver.budget.choose = _choosing(driver.budget, lambda: choice["b"])
+    engine.add("a", PROMPTS["a"], 40)
+    engine.run()
+    assert driver.stats["idle_steps"] > IDLE_AFTER  # "a" ran idle to its end
+    idle, seeded = driver.stats["idle_steps"], driver.seeder.rows_seeded
+    choice["b"] = 4
+    engine.add("b", PROMPTS["b"], 20)
+    engine.step()  # "b"'s prefill: not idle, its prompt seeded
+    assert driver.stats["idle_steps"] == idle
+    assert driver.seeder.rows_seeded > seeded
+    engine.step()
+    engine.step()
+    assert driver.stats["tree_requests"] > 0  # drafting at once, not after a probe period
+    engine.run()
+    assert engine.finished["b"] == _reference(engine.target, 20)["b"]
+
+
 def test_no_idling_while_the_drafter_has_nothing_to_offer():
     """Cold memories offer no drafts; that is not the budget declining them. Idling then would
     stop the rows that fill the memories, so drafting could never start (a fresh server
