@@ -389,7 +389,7 @@ def test_a_batch_of_new_requests_does_not_inherit_the_idle_mode():
     """The idle mode is a property of the batch; at batch 1 every request is a new batch.
     A request arriving after its predecessor finished idle was prefilled idle: its prompt
     was never seeded (seeding takes positions from prefill chunks) and it waited a probe
-    period for its first drafts (at batch 1, 26 Spec-Bench prompts, bf16 SmolLM2: 3 of 9
+    period for its first drafts (at batch 1, Spec-Bench, bf16 SmolLM2, a loaded host: 3 of 9
     requests sampled). A batch none of whose requests ran before starts with no history."""
     from vllm_recap.vllm.driver import IDLE_AFTER
 

@@ -303,7 +303,8 @@ class StepDriver:
             # with no history: the declines were of requests that are gone. Inheriting their
             # idle mode prefilled a new request idle -- its prompt never seeded, its first
             # drafts a probe period away (3 of 9 requests sampled at batch 1, Spec-Bench,
-            # bf16 SmolLM2, Intel Xeon).
+            # bf16 SmolLM2, Intel Xeon, while the test suite loaded the host; on a quiet
+            # host no step of 26 such requests idled, before or after).
             self._quiet, self._drafting = 0, 0.0
             self._since_probe, self._probe_every = 0, PROBE_EVERY
         if self.drain.update(running, arrived) or arrived:
