@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -112,9 +113,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def _ttfts(recs: dict[str, dict]) -> list[float]:
+def _ttfts(recs: Iterable[dict]) -> list[float]:
     """The records' seconds to the first token, where known."""
-    return [r["ttft_s"] for r in recs.values() if r.get("ttft_s") is not None]
+    return [r["ttft_s"] for r in recs if r.get("ttft_s") is not None]
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -140,7 +141,7 @@ def merge_requests(jobs: list[dict]) -> dict[str, dict]:
         merged = {k: v for k, v in first.items() if k not in ("seconds", *COUNTER_KEYS, *TREE_KEYS)}
         merged["seconds"] = statistics.median(r["seconds"] for r in recs)
         merged["seconds_all"] = [r["seconds"] for r in recs]
-        firsts = [r["ttft_s"] for r in recs if r.get("ttft_s") is not None]
+        firsts = _ttfts(recs)
         merged["ttft_s"] = statistics.median(firsts) if firsts else None
         for key in (*COUNTER_KEYS, *TREE_KEYS):
             if key in first:
@@ -189,7 +190,7 @@ def prompt_figures(recs: dict[str, dict], baseline: dict[str, dict] | None) -> d
         # passes", and shows machine drift between jobs (none's ms/pass is its ms/token)
         "ms_per_pass": 1000 * seconds / passes if passes > 0 else None,
         # prefill and the first step (prompt seeding's rows ride along with it)
-        "ttft_p50_ms": _ms(percentile(_ttfts(recs), 50)),
+        "ttft_p50_ms": _ms(percentile(_ttfts(recs.values()), 50)),
         "consistent_repeats": all(r.get("consistent", True) for r in recs.values()),
         "foreign_cpu": max((r["foreign_cpu"] for r in recs.values() if r.get("foreign_cpu") is not None),
                            default=None),
@@ -326,7 +327,7 @@ def load_rows(results: list[dict], methods: list[str], concurrencies: list[int])
             counters = merged_counters(ok)
             passes = tokens * max(1, len(ok)) - counters["accepted_tokens"]
             latencies = [r["seconds"] for r in recs.values()]
-            firsts = _ttfts(recs)
+            firsts = _ttfts(recs.values())
             steps = statistics.fmean((j.get("loop") or {}).get("steps", 0) for j in ok) if ok else 0
             step_us = ((ok[0].get("proposer") or {}).get("step_us") or {}) if ok else {}
             per_method[method] = (recs, {

@@ -305,8 +305,7 @@ class StepDriver:
             # drafts a probe period away (3 of 9 requests sampled at batch 1, Spec-Bench,
             # bf16 SmolLM2, Intel Xeon, while the test suite loaded the host; on a quiet
             # host no step of 26 such requests idled, before or after).
-            self._quiet, self._drafting = 0, 0.0
-            self._since_probe, self._probe_every = 0, PROBE_EVERY
+            self._quiet, self._drafting, self._since_probe = 0, 0.0, 0
         if self.drain.update(running, arrived) or arrived:
             # A new request may draft well where the others did not, and in a draining batch
             # the longest request may now be one that drafts well: probe at the base period
