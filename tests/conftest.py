@@ -28,6 +28,14 @@ def tiny_qwen2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> str:
+    from vllm_recap.models import build_tiny_gemma3
+
+    return str(build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3"), seed=0,
+                                 sliding_window=8))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_vl(tmp_path_factory) -> str:
     from vllm_recap.models import build_tiny_qwen2_vl
 

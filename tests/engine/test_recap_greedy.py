@@ -89,6 +89,30 @@ def test_tree_with_accepted_off_chain_branches_compacts_kv(tiny_qwen2, tiny_prom
     assert tree["per_depth_acceptance"][0] > 0.9
 
 
+def test_sliding_window_layers_stay_exact_on_accepted_off_chain_branches(tiny_gemma3,
+                                                                           monkeypatch):
+    """Gemma-3's layout (a sliding-window layer of 8 tokens, then a full-attention one):
+    every tree node sits beyond the window, and planted drafts (the true path behind decoy
+    siblings) get off-chain nodes accepted, whose path requests must see exactly the last 8
+    positions of their own path in the window layer. Output equals plain greedy decoding."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_gemma3)
+    texts = ["The quick brown fox jumps over the lazy dog near the river bank",
+             "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    with make_llm(tiny_gemma3) as llm:
+        reference = generate_ids(llm, prompts, _params(40))
+    refs = [p + r for p, r in zip(prompts, reference)]
+    with oracle_drafts(monkeypatch, refs, vocab=len(tok)) as calls, \
+            make_llm(tiny_gemma3, speculative_config=SPECS["tree"]) as llm:
+        out = generate_ids(llm, prompts, _params(40))
+        stats = recap_proposer(llm).stats
+    assert out == reference
+    assert calls["off_chain"] > 0 and stats["off_chain_accepts"] > 0, (calls, stats)
+    assert stats["kv_compactions"] > 0, stats
+
+
 @pytest.fixture(scope="module")
 def vl_batch(tiny_qwen2_vl):
     from transformers import AutoProcessor

@@ -1,6 +1,11 @@
 """Models the tests and benchmarks share: the embedded real models and tiny random ones."""
 from vllm_recap.models.gguf import gemma3_path, smollm2_path
-from vllm_recap.models.tiny import build_tiny_qwen2, build_tiny_qwen2_vl, smollm2_tokenizer_path
+from vllm_recap.models.tiny import (
+    build_tiny_gemma3,
+    build_tiny_qwen2,
+    build_tiny_qwen2_vl,
+    smollm2_tokenizer_path,
+)
 
 EMBEDDED = {"smollm2": smollm2_path, "gemma3": gemma3_path}
 
@@ -13,6 +18,6 @@ def resolve_model(name_or_path: str) -> str:
 
 
 __all__ = [
-    "EMBEDDED", "build_tiny_qwen2", "build_tiny_qwen2_vl", "gemma3_path", "resolve_model",
-    "smollm2_path", "smollm2_tokenizer_path",
+    "EMBEDDED", "build_tiny_gemma3", "build_tiny_qwen2", "build_tiny_qwen2_vl", "gemma3_path",
+    "resolve_model", "smollm2_path", "smollm2_tokenizer_path",
 ]

@@ -64,6 +64,29 @@ def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
     return _save_model(model, tokenizer, Path(out_dir))
 
 
+def build_tiny_gemma3(out_dir: str | Path, seed: int = 0, sliding_window: int = 8) -> Path:
+    """Save a random 2-layer Gemma3ForCausalLM to out_dir: a sliding-window layer (window
+    ``sliding_window`` tokens, so every tree past the first few tokens reaches beyond it),
+    then a full-attention one; hidden 64, 2 heads of 32, 1 KV head, Gemma's q/k norms and
+    query scaling. The architecture of the embedded Gemma-3-270M (window 512) at test size.
+    Its embeddings are not tied (tied, a tiny random Gemma repeats its last input token
+    forever); untied it repeats nothing, so tests plant drafts (``oracle_drafts``)."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_path())
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=2048, initializer_range=INIT_STD, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype=torch.float32,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).eval()
+    return _save_model(model, tokenizer, Path(out_dir))
+
+
 def build_tiny_qwen2_vl(out_dir: str | Path, seed: int = 0) -> Path:
     """Save a random tiny Qwen2_5_VLForConditionalGeneration with its processor to out_dir.
 
