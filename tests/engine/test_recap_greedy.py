@@ -92,9 +92,10 @@ def test_tree_with_accepted_off_chain_branches_compacts_kv(tiny_qwen2, tiny_prom
 def test_sliding_window_layers_stay_exact_on_accepted_off_chain_branches(tiny_gemma3,
                                                                            monkeypatch):
     """Gemma-3's layout (a sliding-window layer of 8 tokens, then a full-attention one):
-    every tree node sits beyond the window, and planted drafts (the true path behind decoy
-    siblings) get off-chain nodes accepted, whose path requests must see exactly the last 8
-    positions of their own path in the window layer. Output equals plain greedy decoding."""
+    past the first few tokens every tree reaches beyond the window, and planted drafts (the
+    true path behind decoy siblings) get off-chain nodes accepted, whose path requests must
+    see exactly the last 8 positions of their own path in the window layer. Output equals
+    plain greedy decoding."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_gemma3)
