@@ -17,6 +17,16 @@ loop), greedy, one warm-up request first. Results: ``<out>/result.json`` and ``s
 ``--steps`` also records every engine step and adds where each engine's wall time went by kind
 of step, with a within-run comparison of RECAP's drafted and idle steps
 (``benchmarks/step_breakdown.py``).
+
+``--arrival-rate R`` runs an *open* loop instead, as a server sees traffic: requests arrive at
+their own times (a Poisson process of R requests per second from ``--arrival-seed``, the same
+schedule for every engine; at most ``concurrency`` run, the rest queue), whatever the engine's
+progress. A closed loop of equal-length requests favours plain decoding: its requests finish
+on the same step and their successors prefill together, while a speculative engine's finish
+on different steps and arrive one prefill step at a time. In the open loop throughput follows
+the arrival rate while the engine keeps up, so the figure is latency: per request from its
+arrival to its last token (queueing included), and the ratio is ``none``'s mean over the
+engine's (above 1: faster).
 """
 from __future__ import annotations
 
@@ -57,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", action="store_true",
                    help="record every engine step (kind, wall time, tokens) and add a breakdown "
                         "by step kind to the summary (benchmarks/step_breakdown.py)")
+    p.add_argument("--arrival-rate", type=float, default=0.0,
+                   help="open loop: requests arrive as a Poisson process of this many per "
+                        "second (the ratio is then none's mean latency over the engine's); "
+                        "0 (default): closed loop, all prompts at once")
+    p.add_argument("--arrival-seed", type=int, default=0,
+                   help="seed of the open loop's arrival times (the same for every engine)")
     p.add_argument("--out", default=None,
                    help="output folder (default: benchmarks/results/interleave-<timestamp>)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run: its spec file
@@ -102,8 +118,12 @@ def child(spec: dict) -> dict:
     llm.generate(batch[:1], params, use_tqdm=False)  # warm-up
     steps = record_steps(llm) if spec.get("steps") else None
     before = spec_counters(llm) if steps is not None else None
+    times = spec.get("arrival_times")
     t0 = time.perf_counter()
-    outs = llm.generate(batch, params, use_tqdm=False)
+    if times:
+        outs, latencies = open_loop(llm.llm_engine, batch, params, times)
+    else:
+        outs, latencies = llm.generate(batch, params, use_tqdm=False), None
     wall = time.perf_counter() - t0
     if steps:
         steps.append({"t": t0 + wall})  # the end of the last step
@@ -114,7 +134,50 @@ def child(spec: dict) -> dict:
             "tokens_per_s": tokens / wall,
             "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
             "vllm_recap": str(Path(vllm_recap.__file__).parent), "sampler_fixes": fixes,
-            **({"steps": steps, "drafting": drafting} if steps is not None else {})}
+            **({"steps": steps, "drafting": drafting} if steps is not None else {}),
+            **({"latency_s": latencies, "mean_latency_s": statistics.fmean(latencies)}
+               if latencies is not None else {})}
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """[n] seconds from the run's start at which each request arrives: a Poisson process of
+    ``rate`` requests per second (exponential gaps from ``seed``), the first at 0."""
+    import random
+
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def open_loop(engine, prompts: list, params, times: list[float]) -> tuple[list, list[float]]:
+    """Serves ``prompts[i]`` from ``times[i]`` seconds on, stepping ``engine`` (vLLM's
+    ``LLMEngine``) while any request is in, sleeping until the next arrival when none is.
+
+    Returns:
+        The finished outputs in prompt order, and [n] seconds from each request's arrival time
+        to the step that finished it (a request added a step late still counts from its
+        arrival time, as a server's client sees it).
+    """
+    start = time.perf_counter()
+    finished: dict[str, object] = {}
+    done_at: dict[str, float] = {}
+    sent = 0
+    while len(finished) < len(prompts):
+        now = time.perf_counter() - start
+        while sent < len(prompts) and times[sent] <= now:
+            engine.add_request(f"open-{sent}", prompts[sent], params)
+            sent += 1
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    done_at[out.request_id] = time.perf_counter() - start
+        elif sent < len(prompts):
+            time.sleep(max(0.0, times[sent] - (time.perf_counter() - start)))
+    ids = [f"open-{i}" for i in range(len(prompts))]
+    return [finished[i] for i in ids], [done_at[i] - t for i, t in zip(ids, times)]
 
 
 # vLLM's speculative-decoding counters (as benchmarks.harness.SPEC_COUNTERS; the child does
@@ -210,7 +273,10 @@ def run_one(spec: dict, checkout: str | None, workdir: Path) -> dict:
 
 
 def summarize(runs: list[dict], names: list[str]) -> list[dict]:
-    """Per engine: tokens/s per round, ratio to the same round's none, median [min-max]."""
+    """Per engine: tokens/s per round, ratio to the same round's none, median [min-max].
+
+    The ratio is tokens/s over none's, or, for open-loop runs (``mean_latency_s``), none's
+    mean latency over the engine's; those rows also list the mean latency per round."""
     rows = []
     for name in names:
         mine = [r for r in runs if r["engine"] == name and "tokens_per_s" in r]
@@ -219,8 +285,12 @@ def summarize(runs: list[dict], names: list[str]) -> list[dict]:
             base = next((b for b in runs if b["engine"] == "none" and b["round"] == r["round"]
                          and "tokens_per_s" in b), None)
             if base is not None:
-                ratios.append(r["tokens_per_s"] / base["tokens_per_s"])
-        rows.append({"engine": name, "tokens_per_s": [round(r["tokens_per_s"], 1) for r in mine],
+                ratios.append(base["mean_latency_s"] / r["mean_latency_s"]
+                              if "mean_latency_s" in r else
+                              r["tokens_per_s"] / base["tokens_per_s"])
+        latency = [round(r["mean_latency_s"], 3) for r in mine if "mean_latency_s" in r]
+        rows.append({"engine": name, **({"mean_latency_s": latency} if latency else {}),
+                     "tokens_per_s": [round(r["tokens_per_s"], 1) for r in mine],
                      "ratios": [round(x, 3) for x in ratios],
                      "median": statistics.median(ratios) if ratios else None,
                      "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
@@ -230,19 +300,26 @@ def summarize(runs: list[dict], names: list[str]) -> list[dict]:
 
 def markdown(result: dict) -> str:
     a, m = result["args"], result["machine"]
+    rate = a.get("arrival_rate") or 0
+    loop = (f"open loop: Poisson arrivals at {rate:g} requests/s (seed {a.get('arrival_seed', 0)}, "
+            f"the same schedule for every engine), at most {a['concurrency']} running; ratio = "
+            f"the same round's `none` mean latency (arrival to last token) over the engine's"
+            if rate else "ratio = tokens/s over the same round's `none`")
     lines = [f"# Interleaved load A/B: {a['model']}, concurrency {a['concurrency']}, "
              f"sampling {a.get('sampling', 'greedy')}", "",
              f"{result['date']}, {m['cpu_model']} ({m['cpus']} CPUs, {', '.join(m['cpu_flags'])}), "
              f"dtype {result['dtype']}, git {m.get('git')}; {result['prompts']} Spec-Bench prompts x "
              f"{a['max_new_tokens']} tokens{' (EOS ignored)' if a.get('ignore_eos') else ''}, "
-             f"{a['rounds']} rounds, engines in turn within each "
-             f"round; ratio = tokens/s over the same round's `none`.", "",
-             "| engine | tokens/s per round | ratio to none per round | median [min-max] | errors |",
-             "|---|---|---|---|---|"]
+             f"{a['rounds']} rounds, engines in turn within each round; {loop}.", "",
+             "| engine | " + ("mean latency s per round | " if rate else "") +
+             "tokens/s per round | ratio to none per round | median [min-max] | errors |",
+             "|---|---|---|---|---|" + ("---|" if rate else "")]
     for row in result["rows"]:
         spread = ("-" if row["median"] is None else
                   f"{row['median']:.2f}x [{row['min']:.2f}-{row['max']:.2f}]")
-        lines.append(f"| {row['engine']} | {', '.join(map(str, row['tokens_per_s']))} | "
+        latency = (f"{', '.join(f'{x:.3f}' for x in row.get('mean_latency_s', [])) or '-'} | "
+                   if rate else "")
+        lines.append(f"| {row['engine']} | {latency}{', '.join(map(str, row['tokens_per_s']))} | "
                      f"{', '.join(f'{x:.2f}' for x in row['ratios']) or '-'} | {spread} | "
                      f"{row['errors']} |")
     from benchmarks.step_breakdown import markdown as steps_markdown
@@ -285,7 +362,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "concurrency": args.concurrency, "prompts": prompts,
                         "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
                         "sampling": dict(SAMPLINGS[args.sampling].params),
-                        "steps": args.steps}
+                        "steps": args.steps,
+                        "arrival_times": (arrival_times(len(prompts), args.arrival_rate,
+                                                        args.arrival_seed)
+                                          if args.arrival_rate > 0 else None)}
                 runs.append({"engine": label(method, checkout), "round": r,
                              **run_one(spec, checkout, out)})
                 bar.update()

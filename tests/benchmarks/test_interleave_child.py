@@ -64,3 +64,21 @@ def test_recap_child_records_its_steps(tiny_qwen2, tmp_path):
     assert drafting["draft_tokens"] == drafted  # every verified draft token, as RECAP laid it
     kinds = run_kinds(steps)
     assert sum(k["seconds"] for k in kinds.values()) == pytest.approx(steps[-1]["t"] - steps[0]["t"])
+
+
+def test_open_loop_child_serves_requests_from_their_arrival_times(tiny_qwen2, tmp_path):
+    """``--arrival-rate``: the child adds each request at its arrival time, steps the engine
+    meanwhile, and reports each request's latency from that time."""
+    from benchmarks import interleave
+
+    prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21], [31, 32] * 9]
+    spec = {"prompts": prompts, "model": tiny_qwen2, "dtype": "float32",
+            "config": {"method": "recap"}, "concurrency": 2, "max_new_tokens": 16,
+            "max_model_len": 512, "sampling": {"temperature": 0.0}, "ignore_eos": True,
+            "arrival_times": [0.0, 0.3, 0.6]}
+    out = interleave.run_one(spec, None, tmp_path)
+    assert "error" not in out, out.get("error")
+    assert out["tokens"] == 48 and len(out["latency_s"]) == 3
+    assert all(0 < x < out["wall_s"] for x in out["latency_s"])
+    assert out["wall_s"] >= 0.6  # the last request came in at 0.6 s
+    assert out["mean_latency_s"] == pytest.approx(sum(out["latency_s"]) / 3)

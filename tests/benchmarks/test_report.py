@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 
 from benchmarks import markdown, report
@@ -551,3 +553,35 @@ def test_interleave_pairs_each_run_with_the_none_run_of_its_own_round():
               "rows": list(rows.values())}
     text = interleave.markdown(result)
     assert "| recap-tree | 90.0, 126.0 | 0.90, 1.05 | 0.98x [0.90-1.05] | 1 |" in text
+
+
+def test_interleave_open_loop_ratio_is_none_latency_over_the_engines():
+    """Open-loop runs are compared by latency (throughput follows the arrival rate): the ratio
+    is the same round's ``none`` mean latency over the engine's, listed with the latencies."""
+    from benchmarks import interleave
+
+    runs = [{"engine": "none", "round": 0, "tokens_per_s": 50.0, "mean_latency_s": 2.0},
+            {"engine": "recap-tree", "round": 0, "tokens_per_s": 51.0, "mean_latency_s": 1.6},
+            {"engine": "none", "round": 1, "tokens_per_s": 50.0, "mean_latency_s": 3.0},
+            {"engine": "recap-tree", "round": 1, "tokens_per_s": 49.0, "mean_latency_s": 3.3}]
+    rows = {r["engine"]: r for r in interleave.summarize(runs, ["none", "recap-tree"])}
+    assert rows["recap-tree"]["ratios"] == [1.25, pytest.approx(0.909, abs=1e-3)]
+    assert rows["recap-tree"]["mean_latency_s"] == [1.6, 3.3]
+    result = {"args": {"model": "smollm2", "concurrency": 16, "rounds": 2, "max_new_tokens": 64,
+                       "arrival_rate": 3.0, "arrival_seed": 0},
+              "machine": {"cpu_model": "cpu", "cpus": 2, "cpu_flags": ["avx2"], "git": "abc"},
+              "date": "d", "dtype": "bfloat16", "prompts": 52, "rows": list(rows.values())}
+    text = interleave.markdown(result)
+    assert "Poisson arrivals at 3 requests/s" in text
+    assert "| recap-tree | 1.600, 3.300 | 51.0, 49.0 | 1.25, 0.91 | 1.08x [0.91-1.25] | 0 |" in text
+
+
+def test_interleave_arrival_times_are_one_seeded_poisson_schedule():
+    from benchmarks.interleave import arrival_times
+
+    times = arrival_times(4000, 5.0, seed=3)
+    assert times == arrival_times(4000, 5.0, seed=3) != arrival_times(4000, 5.0, seed=4)
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and (gaps > 0).all()
+    assert gaps.mean() == pytest.approx(0.2, rel=0.05)  # 1 / rate
+    assert gaps.std() == pytest.approx(0.2, rel=0.1)  # exponential: std = mean
