@@ -108,6 +108,9 @@ _ALL: list[Method] = [
     Method("recap-nodraft", _fixed(0, suffix_len=0, num_speculative_tokens=1),
            "RECAP that never drafts: its fixed per-step cost (rows, memories) on vLLM's "
            "speculative path, the floor of what an idle controller costs"),
+    Method("recap-continuations", _recap(node_budget=0),
+           "RECAP tree of continuations only (no memory nodes; adaptive): what the memory "
+           "nodes add or cost, e.g. under load"),
     Method("recap-tree-s32", _recap(suffix_len=32),
            "RECAP tree with continuations of up to 32 nodes on top of the node budget (default "
            "16), as suffix decoding's 32-token drafts"),
