@@ -34,6 +34,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -142,8 +143,6 @@ def child(spec: dict) -> dict:
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     """[n] seconds from the run's start at which each request arrives: a Poisson process of
     ``rate`` requests per second (exponential gaps from ``seed``), the first at 0."""
-    import random
-
     rng, t, out = random.Random(seed), 0.0, []
     for _ in range(n):
         out.append(t)
@@ -160,6 +159,7 @@ def open_loop(engine, prompts: list, params, times: list[float]) -> tuple[list, 
         to the step that finished it (a request added a step late still counts from its
         arrival time, as a server's client sees it).
     """
+    ids = [f"open-{i}" for i in range(len(prompts))]
     start = time.perf_counter()
     finished: dict[str, object] = {}
     done_at: dict[str, float] = {}
@@ -167,7 +167,7 @@ def open_loop(engine, prompts: list, params, times: list[float]) -> tuple[list, 
     while len(finished) < len(prompts):
         now = time.perf_counter() - start
         while sent < len(prompts) and times[sent] <= now:
-            engine.add_request(f"open-{sent}", prompts[sent], params)
+            engine.add_request(ids[sent], prompts[sent], params)
             sent += 1
         if engine.has_unfinished_requests():
             for out in engine.step():
@@ -176,7 +176,6 @@ def open_loop(engine, prompts: list, params, times: list[float]) -> tuple[list, 
                     done_at[out.request_id] = time.perf_counter() - start
         elif sent < len(prompts):
             time.sleep(max(0.0, times[sent] - (time.perf_counter() - start)))
-    ids = [f"open-{i}" for i in range(len(prompts))]
     return [finished[i] for i in ids], [done_at[i] - t for i, t in zip(ids, times)]
 
 
