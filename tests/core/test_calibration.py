@@ -162,7 +162,7 @@ def test_no_learning_without_a_matching_observe() -> None:
     d.commit("a", [49, 1])
     assert sum(d.acceptance_snapshot()["suffix"]["tested"]) == 0
     # A root-only step (nothing drafted) neither.
-    d.propose("a", node_budget=0)
+    d.propose("a", max_depth=0)
     d.observe("a", [1], [-1], np.zeros((1, 2), np.int64), np.ones((1, 2)))
     d.commit("a", [2])
     assert sum(d.acceptance_snapshot()["suffix"]["tested"]) == 0

@@ -210,15 +210,21 @@ def test_lifecycle_bookkeeping() -> None:
     assert d.num_requests == 0 and d.memory_stats()["context_bytes"] == 0
 
 
-def test_budget_zero_and_depth_zero_give_root_only() -> None:
-    d = drafter()
-    d.start("a", [1, 2, 1, 2])
-    d.observe("a", [2], [-1], *rows(1, first=1))
-    assert d.propose("a").num_drafts > 0
-    for kwargs in ({"node_budget": 0}, {"max_depth": 0}):
-        t = d.propose("a", **kwargs)
-        assert t.tokens.tolist() == [2] and t.num_drafts == 0
-    assert d.propose("a", node_budget=1).num_drafts <= 1 + 4
+def test_budget_zero_drafts_continuations_only_and_depth_zero_nothing() -> None:
+    """node_budget 0 = no memory nodes, continuations still on top of it (suffix_mode
+    evidence); root only where there are no continuations (suffix_len 0, or the earliest
+    mode, whose continuation is inserted into a memory tree) and at max_depth 0."""
+    for kw, continuation in (({}, [1, 2]), ({"suffix_len": 0}, []),
+                             ({"suffix_mode": "earliest"}, [])):
+        d = drafter(**kw)
+        d.start("a", [1, 2, 1, 2])
+        d.observe("a", [2], [-1], *rows(1, first=1))
+        assert d.propose("a").num_drafts > 0
+        t = d.propose("a", node_budget=0)
+        assert t.tokens.tolist() == [2, *continuation], kw  # the history's 2 -> 1 -> 2
+        assert t.best_path().tolist() == continuation
+        assert d.propose("a", max_depth=0).tokens.tolist() == [2]
+        assert d.propose("a", node_budget=1).num_drafts <= 1 + 16
 
 
 # ---------------------------------------------------------------- persistence / isolation

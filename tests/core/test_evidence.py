@@ -127,9 +127,11 @@ def with_unigram(d: Drafter, history: list[int], rid: str = "a"):
     return d.propose(rid)
 
 
-@pytest.mark.parametrize("budget", [1, 2, 3])
+@pytest.mark.parametrize("budget", [0, 1, 2, 3])
 def test_continuations_add_to_the_budget(budget: int) -> None:
     # Memory candidates 30 -> 34 -> 36 ... from U; the continuation 2 3 4 from the text.
+    # Budget 0: the continuation alone (it once gave a root-only tree, so a node_budget of 0
+    # drafted nothing where the README promises continuations on top of it).
     t = with_unigram(drafter(node_budget=budget), TEXT + [1])
     memory_only = int(np.sum(t.sources == SOURCE_MEMORY))
     from_suffix = int(np.sum((t.sources & SOURCE_SUFFIX) > 0))

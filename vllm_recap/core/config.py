@@ -137,9 +137,12 @@ class RecapConfig:
     may reach level max(max_depth, suffix_len). Range [1, MAX_DEPTH = 64]."""
 
     node_budget: int = 63
-    """Draft nodes per tree, root excluded, before suffix insertion; `Drafter.propose` may
-    override it per call (0 = no draft). For TOKEN_RECYCLING and the FIXED tree it truncates
-    the 80-node template (set 80 for the full template). Range [0, 1024]."""
+    """Memory draft nodes per tree, root excluded, continuations not counted;
+    `Drafter.propose` may override it per call. 0: continuations only with suffix_mode
+    evidence and the adaptive budget policy (no draft in the other suffix modes, with
+    suffix_len 0, or with the fixed policy, which verifies node_budget nodes in all). For
+    TOKEN_RECYCLING and the FIXED tree it truncates the 80-node template (set 80 for the full
+    template). Range [0, 1024]."""
 
     suffix_len: int = 16
     """Continuation nodes per tree on top of the node budget (all continuations together;

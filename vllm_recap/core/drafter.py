@@ -280,8 +280,11 @@ class Drafter:
 
         Args:
             req_id: a started request.
-            node_budget: draft nodes before suffix insertion (default config.node_budget);
-                0 gives a root-only tree (no suffix either).
+            node_budget: memory draft nodes, continuations not counted (default
+                config.node_budget). 0 with suffix_mode evidence gives continuations only (they
+                come on top of the budget, as `RecapConfig.suffix_len` says); in the other
+                modes, whose continuation is inserted into a tree of memory nodes, a
+                root-only tree.
             max_depth: deepest level, at most MAX_DEPTH (default config.max_depth); 0 gives a
                 root-only tree.
 
@@ -299,10 +302,12 @@ class Drafter:
         root = hist[-1]
         req.pending = None
         req.verified = 0
-        if budget == 0 or depth == 0:
+        if depth == 0:
             return DraftTree.root_only(root)
-        if self._evidence:
+        if self._evidence and (budget or self._suffix_len):
             return self._propose_evidence(req, budget, depth, max_depth is not None)
+        if budget == 0:
+            return DraftTree.root_only(root)
         suffix = self._no_suffix
         if req.sam is not None:
             suffix = req.sam.continuation(self._suffix_len, self._suffix_min_match)
