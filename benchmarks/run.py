@@ -53,6 +53,7 @@ from benchmarks.methods import ABLATION_REFERENCE, METHODS, expand  # noqa: E402
 from benchmarks.sampling import GREEDY, SAMPLINGS, job_sampling, parse_settings  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     SPEC_BENCH,
+    WARMUP_TEXT,
     multimodal_items,
     render,
     spec_bench_prompts,
@@ -61,7 +62,6 @@ from benchmarks.workloads import (  # noqa: E402
 
 WORKLOADS = ("spec_bench", "two_turn", "multimodal")
 QUICK_CATEGORIES = ["translation", "qa", "math_reasoning", "coding"]  # short prompts, varied answers
-WARMUP_TEXT = "Hello! Introduce yourself in one sentence."
 MM_WARMUP = {"prompt_id": "mm-warmup", "category": "image", "question": "What is this?",
              "image_seed": 100, "image_size": [56, 56]}
 # Full / quick defaults of the flags that depend on the mode (None in argparse = not given).

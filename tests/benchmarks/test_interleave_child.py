@@ -16,6 +16,8 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
+WARMUP = [41, 42, 43, 44, 45]  # the warm-up prompt: outside every measured set
+
 
 def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path, monkeypatch):
     from benchmarks import interleave
@@ -23,7 +25,7 @@ def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path, monkeypatc
 
     # Repeating prompts, so the n-gram proposer drafts from the first decode step on.
     prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
-    spec = {"prompts": prompts, "model": tiny_qwen2, "dtype": "float32", "config": NGRAM,
+    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32", "config": NGRAM,
             "concurrency": 2, "max_new_tokens": 16, "max_model_len": 512,
             "sampling": {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
                          "repetition_penalty": 1.05}, "ignore_eos": True, "steps": True}
@@ -46,7 +48,7 @@ def test_recap_child_records_its_steps(tiny_qwen2, tmp_path):
     from benchmarks.step_breakdown import KINDS, kind, run_kinds
 
     prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
-    spec = {"prompts": prompts, "model": tiny_qwen2, "dtype": "float32",
+    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32",
             "config": {"method": "recap"}, "concurrency": 2, "max_new_tokens": 16,
             "max_model_len": 512, "sampling": {"temperature": 0.0}, "ignore_eos": True,
             "steps": True}
@@ -72,7 +74,7 @@ def test_open_loop_child_serves_requests_from_their_arrival_times(tiny_qwen2, tm
     from benchmarks import interleave
 
     prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21], [31, 32] * 9]
-    spec = {"prompts": prompts, "model": tiny_qwen2, "dtype": "float32",
+    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32",
             "config": {"method": "recap"}, "concurrency": 2, "max_new_tokens": 16,
             "max_model_len": 512, "sampling": {"temperature": 0.0}, "ignore_eos": True,
             "arrival_times": [0.0, 0.3, 0.6]}
