@@ -111,6 +111,9 @@ _ALL: list[Method] = [
     Method("recap-continuations", _recap(node_budget=0),
            "RECAP tree of continuations only (no memory nodes; adaptive): what the memory "
            "nodes add or cost, e.g. under load"),
+    Method("recap-tree-mem3", _recap(memory_nodes_up_to=3),
+           "RECAP tree, memory nodes only in steps of at most 3 decoding requests "
+           "(continuations only above): the default against continuations only under load"),
     Method("recap-tree-s32", _recap(suffix_len=32),
            "RECAP tree with continuations of up to 32 nodes on top of the node budget (default "
            "16), as suffix decoding's 32-token drafts"),

@@ -464,6 +464,37 @@ def test_batch_node_budget_bounds_continuations_too():
     assert max(per_step) <= 9 and max(per_step) > 3
 
 
+def test_memory_nodes_up_to_drafts_continuations_only_in_larger_batches():
+    """memory_nodes_up_to 2: with 3 requests decoding the drafter is asked for no memory
+    nodes (continuations only); once a request has finished and 2 decode, for the full
+    budget. Outputs stay sequential decoding's."""
+    config = RecapConfig(node_budget=8, suffix_len=4, memory_nodes_up_to=2,
+                         budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config)
+    driver = engine.drivers[0]
+    driver.budget.choose = _choosing(driver.budget, 12, False)  # drafting pays
+    asked = []  # per step, the node budget of each proposal
+    propose, step = driver.drafter.propose, driver.propose
+
+    def spy(req_id, node_budget=None, max_depth=None):
+        asked[-1].append(node_budget)
+        return propose(req_id, node_budget=node_budget, max_depth=max_depth)
+
+    def counting(runner, so, sampled, hidden):
+        asked.append([])
+        return step(runner, so, sampled, hidden)
+
+    driver.drafter.propose, driver.propose = spy, counting
+    lengths = {"a": 24, "b": 60, "c": 60}  # "a" finishes first
+    for rid, prompt in PROMPTS.items():
+        engine.add(rid, prompt, lengths[rid])
+    out = engine.run()
+    assert out == {rid: engine.target.greedy(p, lengths[rid]) for rid, p in PROMPTS.items()}
+    assert [b for b in asked if len(b) == 3] and all(b == [0, 0, 0] for b in asked if len(b) == 3)
+    assert all(set(b) == {8} for b in asked if 0 < len(b) < 3)
+    assert sum(1 for b in asked if 0 < len(b) < 3) >= 2  # before "b" and "c" and after "a"
+
+
 def test_requests_finishing_in_an_idle_step_are_freed_at_once():
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)

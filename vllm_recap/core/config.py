@@ -238,6 +238,13 @@ class RecapConfig:
     min(node_budget, batch_node_budget // decoding requests), so verification cost stays
     bounded as the batch grows. 0 = no batch limit. Range [0, 1048576]."""
 
+    memory_nodes_up_to: int = 0
+    """Steps with more decoding requests than this draft continuations only (memory nodes
+    need budget_policy adaptive and suffix_mode evidence to be dropped this way; the fixed
+    policy ignores it). Memory nodes are the least precise drafts, and from a few requests
+    on a 2-core CPU's step is compute-bound: a draft row costs about what a token is worth
+    divided by the batch. 0 = memory nodes at every batch size. Range [0, 1048576]."""
+
     def __post_init__(self) -> None:
         # Accept enum values given by name/value and sequences given as lists, so that
         # `RecapConfig(fusion="uniform")` and JSON round trips work; then validate once.
@@ -268,6 +275,7 @@ class RecapConfig:
         _check_int("max_partitions", self.max_partitions, 1, 4096)
         _check_int("prompt_seed_rows", self.prompt_seed_rows, 0, 1 << 16)
         _check_int("batch_node_budget", self.batch_node_budget, 0, 1 << 20)
+        _check_int("memory_nodes_up_to", self.memory_nodes_up_to, 0, 1 << 20)
         for name, enum_type in _ENUM_FIELDS.items():
             if not isinstance(getattr(self, name), enum_type):
                 raise ValueError(

@@ -690,8 +690,12 @@ class StepDriver:
         return np.arange(len(parents))  # a chain
 
     def _node_budget(self, num_decoding: int) -> int:
-        """Per-request draft nodes: the configured budget, shrunk so the whole batch stays
-        within ``batch_node_budget`` (0 = no batch limit)."""
+        """Per-request memory draft nodes: the configured budget, shrunk so the whole batch
+        stays within ``batch_node_budget`` (0 = no batch limit); none above
+        ``memory_nodes_up_to`` decoding requests (adaptive budget: continuations only)."""
+        up_to = self.config.memory_nodes_up_to
+        if self.adaptive and up_to and num_decoding > up_to:
+            return 0
         budget = self.config.node_budget
         if self.config.batch_node_budget and num_decoding > 0:
             budget = min(budget, self.config.batch_node_budget // num_decoding)
