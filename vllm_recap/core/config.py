@@ -239,11 +239,11 @@ class RecapConfig:
     bounded as the batch grows. 0 = no batch limit. Range [0, 1048576]."""
 
     memory_nodes_up_to: int = 0
-    """Steps with more decoding requests than this draft continuations only (memory nodes
-    need budget_policy adaptive and suffix_mode evidence to be dropped this way; the fixed
-    policy ignores it). Memory nodes are the least precise drafts, and from a few requests
-    on a 2-core CPU's step is compute-bound: a draft row costs about what a token is worth
-    divided by the batch. 0 = memory nodes at every batch size. Range [0, 1048576]."""
+    """Steps with more decoding requests than this draft no memory nodes: continuations
+    only, as node_budget 0 (adaptive budget policy only; the fixed policy ignores it).
+    Memory nodes are the least precise drafts, and from a few requests on a 2-core CPU's step
+    is compute-bound: a draft row costs about what a token is worth divided by the batch.
+    0 = memory nodes at every batch size. Range [0, 1048576]."""
 
     def __post_init__(self) -> None:
         # Accept enum values given by name/value and sequences given as lists, so that
