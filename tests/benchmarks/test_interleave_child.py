@@ -25,8 +25,8 @@ def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path, monkeypatc
 
     # Repeating prompts, so the n-gram proposer drafts from the first decode step on.
     prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
-    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32", "config": NGRAM,
-            "concurrency": 2, "max_new_tokens": 16, "max_model_len": 512,
+    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32",
+            "config": NGRAM, "concurrency": 2, "max_new_tokens": 16, "max_model_len": 512,
             "sampling": {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
                          "repetition_penalty": 1.05}, "ignore_eos": True, "steps": True}
     # a relative results folder (``--out benchmarks/results/...``): the child, which runs in
