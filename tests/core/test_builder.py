@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from vllm_recap.core import (
@@ -257,7 +257,10 @@ def check_invariants(tree: DraftTree, root: int, cfg: RecapConfig, blocked: set[
     assert tree.depths.dtype == np.int64 and tree.depths.tolist() == depths.tolist()
     assert depths.max() <= (max(cfg.max_depth, suffix_len) if evidence else cfg.max_depth)
     cap = min(budget, 80) if policy is Policy.TOKEN_RECYCLING else budget + suffix_len
-    assert tree.num_drafts <= (cap if budget and cfg.max_depth else 0)
+    # Evidence continuations come on top of the memory budget, so a budget of 0 may still
+    # draft them (continuations only); the other modes insert theirs into memory nodes.
+    drafts = budget or (evidence and suffix_len)
+    assert tree.num_drafts <= (cap if drafts and cfg.max_depth else 0)
     assert not blocked & set(tree.draft_tokens.tolist())
     assert np.all(tree.scores[1:] > 0) and np.all(tree.scores[1:] <= tree.scores[tree.parents[1:]])
     if evidence and n > 1:
@@ -266,6 +269,7 @@ def check_invariants(tree: DraftTree, root: int, cfg: RecapConfig, blocked: set[
         assert np.all(np.diff(rest) <= 0)
         memory_only = tree.sources == SOURCE_MEMORY
         assert np.all(depths[memory_only] <= cfg.max_depth)
+        assert np.count_nonzero(memory_only) <= budget
     elif n > 1 and policy is Policy.RECAP:
         assert tree.sources is None
     for i in range(1, n):
@@ -325,8 +329,18 @@ def scenarios(draw: st.DrawFn) -> dict:
             "prompt_rows": (np.array(prompt_ids), np.array(prompt_probs, np.float64))}
 
 
+# The case a CI run found (stop 52): node_budget 0 with evidence drafts one continuation.
+BUDGET_ZERO_CONTINUATION = {
+    "vocab": 12, "blocked": set(), "history": [0, 0], "steps": [],
+    "cfg": RecapConfig(top_k=2, max_depth=1, node_budget=0, suffix_len=1,
+                       suffix_mode=SuffixMode.EVIDENCE, use_context_memories=False,
+                       calibrated_scores=False),
+    "prompt_rows": (np.array([[0, 1], [0, 1]]), np.array([[1.0, 1.0], [1.0, 1.0]]))}
+
+
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
+@example(BUDGET_ZERO_CONTINUATION)
 def test_every_proposal_satisfies_the_tree_invariants(s: dict) -> None:
     # Two drafters fed the same calls must agree exactly (tensor-parallel ranks).
     drafters = [Drafter(s["cfg"], s["vocab"], s["blocked"]) for _ in range(2)]
