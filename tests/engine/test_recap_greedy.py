@@ -89,6 +89,43 @@ def test_tree_with_accepted_off_chain_branches_compacts_kv(tiny_qwen2, tiny_prom
     assert tree["per_depth_acceptance"][0] > 0.9
 
 
+def test_node_budget_zero_verifies_continuations_only(tiny_qwen2, tiny_prompts, tiny_reference,
+                                                     monkeypatch):
+    """``node_budget`` 0 (adaptive policy, suffix_mode evidence): trees of continuations alone
+    reach vLLM and verify, output equal to plain greedy decoding. The budget is set to verify
+    every node offered (the adaptive policy may decline all of them on a tiny model); before
+    stop 51's fix the drafter offered none (a root-only tree), so nothing was drafted."""
+    from vllm_recap.core.budget import BudgetController
+    from vllm_recap.core.drafter import Drafter
+    from vllm_recap.core.tree import SOURCE_MEMORY
+
+    def verify_all(self, trees, fixed_tokens, kinds=None, context=0, chains=False, drain=None):
+        self.last_counts = [min(t.num_drafts, self.max_budget) for t in trees]
+        self.last_chain, self.last_decision = False, None
+        self.last_choice = max(self.last_counts, default=0)
+        return self.last_choice
+
+    offered = []
+    original = Drafter.propose
+
+    def propose(self, req_id, node_budget=None, max_depth=None):
+        tree = original(self, req_id, node_budget, max_depth)
+        if tree.num_drafts and req_id != "warmup":  # (core.warmup's own drafter)
+            offered.append(tree)
+        return tree
+
+    monkeypatch.setattr(BudgetController, "choose", verify_all)
+    monkeypatch.setattr(Drafter, "propose", propose)
+    spec = {"method": "recap", "node_budget": 0}
+    with make_llm(tiny_qwen2, speculative_config=spec) as llm:
+        out = generate_ids(llm, tiny_prompts, _params())
+        drafts = spec_counters(llm)["drafts"]
+    assert out == tiny_reference
+    assert drafts > 0 and offered
+    for tree in offered:  # continuations only: every draft node has a continuation's source
+        assert tree.sources is not None and all(tree.sources[1:] & ~SOURCE_MEMORY), tree
+
+
 def test_sliding_window_layers_stay_exact_on_accepted_off_chain_branches(tiny_gemma3,
                                                                            monkeypatch):
     """Gemma-3's layout (a sliding-window layer of 8 tokens, then a full-attention one):
