@@ -58,7 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Spec-Bench prompts per category (default: 2, i.e. 26)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help="auto = bfloat16 if the CPU has AVX-512 BF16, else float32, as "
+                        "benchmarks.run (vLLM's own auto loads a bf16 model in bf16 even where "
+                        "it runs emulated); or any vLLM dtype (default: auto)")
     p.add_argument("--sampling", default="greedy",
                    help="a setting of benchmarks/sampling.py (greedy, qwen_vl, qwen_text, t1); "
                         "sampled settings run unseeded (default: greedy)")
@@ -79,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="output folder (default: benchmarks/results/interleave-<timestamp>)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run: its spec file
     args = p.parse_args(argv)
+    if not args.child:  # the parent resolves auto; a child imports vLLM and vllm_recap only
+        from benchmarks.machine import resolve_dtype
+
+        args.dtype = resolve_dtype(args.dtype)
     if args.out is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         args.out = str(REPO / "benchmarks" / "results" / f"interleave-{stamp}")

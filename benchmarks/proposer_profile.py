@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
                          "benchmarks.run (a seeded sampled request takes RECAP's seeded path: "
                          "its rows drawn with vLLM's seeds, every drafted step verified by "
                          "RECAP); -1: unseeded (default: 0)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto",
+                    help="auto = bfloat16 if the CPU has AVX-512 BF16, else float32 (as "
+                         "benchmarks.run); or any vLLM dtype (default: auto)")
     ap.add_argument("--again", action="store_true",
                     help="run the pure pieces (%s) twice per call and time both: after the "
                          "forward pass the first call runs on cold caches" % ", ".join(PURE))
@@ -161,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.concurrency < 1:
         ap.error(f"--concurrency must be at least 1, got {args.concurrency}")
+    from benchmarks.machine import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype)
 
     import numpy as np
     from vllm import LLM, TokensPrompt

@@ -22,6 +22,9 @@ def test_profile_prints_step_work_and_the_timed_pieces(capsys, tmp_path):
         assert int(line.split("calls")[1].split()[0]) > 0, line
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["steps"] > 0 and saved["work_ms"]["p50"] > 0 and saved["model"] == "smollm2"
+    from benchmarks.machine import resolve_dtype
+
+    assert saved["dtype"] == resolve_dtype("auto")  # the CPU's dtype, as benchmarks.run
     assert saved["pieces"]["_advance"]["calls"] > 0
     # seeding is part of the work, so the work without it is no larger
     assert 0 < saved["work_without_seeding_ms"]["mean"] <= saved["work_ms"]["mean"]
