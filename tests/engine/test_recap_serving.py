@@ -181,6 +181,30 @@ def test_config_errors_reach_the_user(tiny_qwen2, spec, message):
             pass
 
 
+@pytest.mark.parametrize("dtype, native, warned", [
+    ("bfloat16", False, True), ("bfloat16", True, False), ("float32", False, False)])
+def test_emulated_bf16_is_named_at_start(tiny_qwen2, monkeypatch, dtype, native, warned):
+    """vLLM's dtype auto loads bf16 checkpoints in bf16 on AVX2-only CPUs, where it runs
+    emulated and no speculation pays: RECAP says so once, naming --dtype float32."""
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    from vllm_recap.vllm import proposer as proposer_module
+
+    # what the proposer warns (vLLM's logging config, applied while the engine starts, drops
+    # handlers of its child loggers, so a handler would not see it)
+    warnings: list[str] = []
+    real = proposer_module.logger.warning
+    monkeypatch.setattr(proposer_module.logger, "warning",
+                        lambda msg, *args: warnings.append(msg % args) or real(msg, *args))
+    with make_llm(tiny_qwen2, dtype=dtype, speculative_config={"method": "recap"}) as llm:
+        out = generate_ids(llm, [[1, 2, 3]], _greedy(4))
+    said = [w for w in warnings if "without AVX512_BF16" in w]
+    assert len(said) == int(warned) and len(out[0]) == 4  # a warning, the engine serves
+    if warned:
+        assert "--dtype float32" in said[0]
+
+
 def test_requests_running_into_max_model_len_stay_identical(tiny_qwen2):
     """Once any request is within num_speculative_tokens of max_model_len, vLLM stops calling
     the proposer for the whole batch; RECAP must neither crash then nor when drafting resumes

@@ -55,6 +55,12 @@ class RecapProposer:
                 tree_mode = False
         from vllm.platforms import current_platform
 
+        from vllm_recap.vllm.support import cpu_has_native_bf16, emulated_bf16_reason
+
+        slow = emulated_bf16_reason(model_config.dtype, current_platform.is_cpu(),
+                                    cpu_has_native_bf16())
+        if slow is not None:
+            logger.warning("vllm-recap: %s.", slow)
         self.recap_hooks = StepDriver(self.config, self.drafter, DriverSettings(
             num_spec_tokens=int(vllm_config.speculative_config.num_speculative_tokens),
             max_model_len=int(model_config.max_model_len), blocked=blocked,

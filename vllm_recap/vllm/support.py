@@ -66,3 +66,36 @@ def engine_reason(vllm_config: Any, platform: str) -> str | None:
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             reason = f"the CPU tree path does not read a {cache_dtype} KV cache"
     return reason
+
+
+def emulated_bf16_reason(dtype: Any, on_cpu: bool, native_bf16: bool) -> str | None:
+    """Why speculation will not pay on this engine's dtype (None: nothing to say).
+
+    vLLM's ``dtype auto`` loads a bfloat16 checkpoint in bfloat16 on any x86 CPU. Without
+    AVX512_BF16 the bf16 matmuls run emulated and cost about linearly in a pass's tokens, so
+    verifying drafts costs what the accepted tokens save, and plain decoding is slower than in
+    float32 too: on a 2-core AMD EPYC with AVX2 only, SmolLM2-135M decoded 13-14 tokens/s in
+    bf16 against 21-23 in float32, and every speculative method (RECAP tree and single path,
+    vLLM suffix decoding) ran 0.96-1.01x of plain decoding in bf16 against 1.07-1.14x in
+    float32 (26 Spec-Bench prompts x 64, batch 1; ``benchmarks/results/avx2-dtype_2026-12-07``).
+    A warning, not a refusal: the output is still exact, and the choice is the user's.
+    """
+    import torch
+
+    if on_cpu and dtype == torch.bfloat16 and not native_bf16:
+        return ("the model runs in bfloat16 on a CPU without AVX512_BF16, where bf16 matmuls "
+                "are emulated: a pass costs about linearly in its tokens, so verified drafts "
+                "save little, and plain decoding is slower than in float32 as well. Start "
+                "vLLM with --dtype float32 (LLM(..., dtype='float32')) on this CPU")
+    return None
+
+
+def cpu_has_native_bf16() -> bool:
+    """False only on an x86 CPU without AVX512_BF16 (other architectures: not judged here)."""
+    import platform
+
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)())
