@@ -12,6 +12,8 @@ import torch
 
 from benchmarks import interleave
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("native, expected", [(False, "float32"), (True, "bfloat16")])
 def test_interleave_resolves_auto_as_benchmarks_run(monkeypatch, tmp_path, native, expected):
