@@ -75,12 +75,13 @@ ABLATIONS: list[Ablation] = [
     Ablation("abl-no-suffix", {"suffix_len": 0}, "suffix insertion on vs off", "+0.6%"),
 ]
 # Not one of the paper's rows: the most specific row only, no mixing (FusionMode.BACKOFF).
-# And prompt seeding, whose rows cost LM-head work at prefill (~28 ms per ~170-token prompt in
-# bf16 on a 2-core CPU) against a few percent more tokens per pass.
+# And prompt seeding, whose rows cost LM-head work (~28 ms per ~170-token prompt in bf16 on a
+# 2-core CPU, 38-74 ms a request in float32 on an AVX2-only one) against 0-0.7% fewer passes:
+# off by default on a CPU since 2026-12-07, so the ablation turns it on (the CUDA default).
 EXTRA_ABLATIONS = [Ablation("abl-backoff-only", {"fusion": "backoff"},
                             "fusion vs most-specific row only", "-"),
-                   Ablation("abl-no-seed", {"prompt_seed_rows": 0},
-                            "prompt seeding on vs off", "-")]
+                   Ablation("abl-seed", {"prompt_seed_rows": 256},
+                            "prompt seeding off (CPU default) vs on", "-")]
 # The continuation additions (evidence-scaled continuations, the shared index across requests,
 # one calibrated score), each switched off alone at the ablation budget.
 CONTINUATION_ABLATIONS = [
@@ -104,7 +105,11 @@ _ALL: list[Method] = [
     Method("recap-chain", _recap(draft_mode="chain"), "RECAP single path (best chain of the tree)"),
     Method("recap-tree", _recap(), "RECAP tree, CPU defaults (node budget 16, adaptive)"),
     Method("recap-tree-no-seed", _recap(prompt_seed_rows=0),
-           "RECAP tree, CPU defaults, without prompt seeding (its cost under load)"),
+           "RECAP tree without prompt seeding (the CPU default since 2026-12-07; on a device "
+           "the defaults seed)"),
+    Method("recap-tree-seed", _recap(prompt_seed_rows=256),
+           "RECAP tree, CPU defaults plus prompt seeding (256 rows, the CUDA default): what "
+           "seeding buys and costs on a CPU"),
     Method("recap-nodraft", _fixed(0, suffix_len=0, num_speculative_tokens=1),
            "RECAP that never drafts: its fixed per-step cost (rows, memories) on vLLM's "
            "speculative path, the floor of what an idle controller costs"),

@@ -15,7 +15,7 @@ Methods (``--methods``, names or groups; see benchmarks/methods.py):
   budgets   none, ngram, recap-chain, recap-tree-b4/b8/b16/b32, token-recycling
   ablations the six paper ablations at a fixed budget of 16 (with recap-tree-b16 as reference)
   continuations the continuation additions, each off alone at budget 16 (--ablations continuations)
-  also      token-recycling-80 (paper's 80-node template), abl-backoff-only, abl-no-seed,
+  also      token-recycling-80 (paper's 80-node template), abl-backoff-only, abl-seed,
             recap-tree-classic
             (RECAP tree without the continuation additions)
 

@@ -14,7 +14,10 @@ pytestmark = pytest.mark.engine
 MODES = ["tree", "chain"]
 # Trees of a fixed size: the adaptive default measures this machine and may well decide that
 # drafting does not pay for a tiny model, which would leave nothing to check.
-SPECS = {"tree": {"method": "recap", "budget_policy": "fixed", "node_budget": 8},
+# Prompt seeding is off by default on a CPU (options.DEVICE_DEFAULTS); the tree mode turns it on
+# so its rows (fused into the step's LM-head call) stay covered, the others run the defaults.
+SPECS = {"tree": {"method": "recap", "budget_policy": "fixed", "node_budget": 8,
+                  "prompt_seed_rows": 256},
          "chain": {"method": "recap", "draft_mode": "chain"},
          "adaptive": {"method": "recap"}}
 

@@ -184,8 +184,8 @@ if REFS:  # module level: vLLM spawns its workers, which import this module agai
 
 if __name__ == "__main__":
     llm = LLM(**engine_kwargs({model!r}, dtype="float32", kv_cache_mib=128, max_model_len=512,
-                              speculative_config={{"method": "recap"}} if REFS else None,
-                              tensor_parallel_size=2))
+                              speculative_config={{"method": "recap", "prompt_seed_rows": 256}}
+                              if REFS else None, tensor_parallel_size=2))
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     out = llm.generate([{{"prompt_token_ids": p}} for p in PROMPTS], params, use_tqdm=False)
     print("RESULT", json.dumps([p + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, out)]))

@@ -63,7 +63,8 @@ def test_chi2_critical_values_match_tables():
 
 
 
-TREES = {"method": "recap", "budget_policy": "fixed", "node_budget": 12, "batch_node_budget": 0}
+TREES = {"method": "recap", "budget_policy": "fixed", "node_budget": 12, "batch_node_budget": 0,
+         "prompt_seed_rows": 256}  # seeding is off by default on a CPU: keep its rows covered
 QWEN_VL = dict(temperature=0.1, top_k=1, top_p=0.001, repetition_penalty=1.05)
 
 
@@ -275,7 +276,9 @@ def test_seeded_request_with_a_chunked_prompt_samples_as_without_chunks(smollm2)
                             ignore_eos=True)
     with make_llm(smollm2) as llm:
         reference = generate_ids(llm, [prompt], [params])
-    with make_llm(smollm2, speculative_config={"method": "recap"}, max_num_batched_tokens=64,
+    # prompt seeding on (a CPU default is off): its rows are chosen per prefill chunk
+    with make_llm(smollm2, speculative_config={"method": "recap", "prompt_seed_rows": 256},
+                  max_num_batched_tokens=64,
                   enable_chunked_prefill=True) as llm:
         assert generate_ids(llm, [prompt], [params]) == reference
         assert len(generate_ids(llm, ["Hello"], [SamplingParams(max_tokens=4)])[0]) == 4

@@ -36,7 +36,9 @@ def eight_prompts(smollm2):
 CHUNKED = dict(max_num_batched_tokens=128, enable_chunked_prefill=True, max_num_seqs=16)
 # Fixed-size trees: the adaptive default decides from this machine's timings whether drafting
 # pays, so a test that must see trees verified cannot leave the choice to it.
-TREES = {"method": "recap", "budget_policy": "fixed", "node_budget": 8}
+# with prompt seeding (off by default on a CPU): its rows wait across steps, so aborts and
+# preemption must free them too
+TREES = {"method": "recap", "budget_policy": "fixed", "node_budget": 8, "prompt_seed_rows": 256}
 
 
 def test_concurrent_requests_with_abort_and_sampling(smollm2, eight_prompts):
@@ -281,7 +283,7 @@ def test_every_way_of_finishing_frees_request_state(smollm2):
         return out, live
 
     reference, _ = run(None)
-    out, live = run({"method": "recap"})
+    out, live = run({"method": "recap", "prompt_seed_rows": 256})  # seeded rows freed too
     assert live == (0, 0)
     for rid in ("eos", "stop_id", "stop_str"):
         assert out[rid] == reference[rid], rid

@@ -84,3 +84,12 @@ def test_pipeline_parallelism_is_refused_with_a_reason():
 def test_dashes_are_accepted_like_vllm_cli():
     _, recap = translate({"method": "recap", "node-budget": 12})
     assert recap["node_budget"] == 12
+
+
+def test_prompt_seeding_is_off_by_default_on_cpu_only():
+    """A CPU pays an LM-head row per seeded prompt position for ~0.5% fewer passes (see
+    DEVICE_DEFAULTS); a device gets the rows almost free. The user's value still wins."""
+    assert translate({"method": "recap"}, "cpu")[1]["prompt_seed_rows"] == 0
+    assert translate({"method": "recap"}, "cuda")[1]["prompt_seed_rows"] == 256
+    _, recap = translate({"method": "recap", "prompt_seed_rows": 64}, "cpu")
+    assert recap["prompt_seed_rows"] == 64

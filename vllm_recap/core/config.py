@@ -231,7 +231,8 @@ class RecapConfig:
     prompt_seed_rows: int = 256
     """Prompt positions per request whose top-K rows seed the memories at prefill (the first
     occurrence of each distinct prompt token, in order); each costs one extra LM-head row in
-    the prefill step. 0 = no seeding. Range [0, 65536]."""
+    the prefill step. 0 = no seeding. The vLLM adapter's CPU default is 0 (see
+    ``vllm_recap.vllm.options.DEVICE_DEFAULTS``). Range [0, 65536]."""
 
     batch_node_budget: int = 0
     """Draft nodes per engine step across all decoding requests: each request gets

@@ -17,8 +17,15 @@ from vllm_recap.vllm import PROPOSER_PATH
 VLLM_KEYS = ("num_speculative_tokens",)
 
 # Hardware defaults for knobs the user did not set (measured: benchmarks/results/).
+# Prompt seeding is off on a CPU: there each seeded row costs real LM-head work (SmolLM2 in
+# float32 on an AVX2-only CPU ~0.65 ms a row, 38-74 ms a request) and the rows now buy next to
+# nothing beside the continuations and the shared index -- at a fixed 8 nodes, greedy float32,
+# 26 Spec-Bench prompts x 128, seeding took 9-12 of 1655 passes off SmolLM2's run (0.5-0.7%),
+# 2 of 1867 under Qwen2.5-VL's settings, none of Gemma-3-270M's 341 (13 x 96) -- while its
+# steps were every p99 step of RECAP's own work (`cpu-seeding-off_2026-12-07/`). On a device
+# the rows ride along with the step's LM-head call for next to nothing, so it stays on.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"node_budget": 16, "batch_node_budget": 64},
+    "cpu": {"node_budget": 16, "batch_node_budget": 64, "prompt_seed_rows": 0},
     "cuda": {"node_budget": 63, "batch_node_budget": 1024},
 }
 

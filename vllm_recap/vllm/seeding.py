@@ -47,9 +47,11 @@ from vllm_recap.vllm.verifier import topk_rows
 # prompts (2,246 tokens) prefilled in 2.97 s with seeding against 2.62 s without (~28 ms per
 # prompt, measured ad hoc, 2026-12-03); seeding bought 1.957 against 1.920 tokens per pass
 # (fixed 8 nodes, 26 prompts x 128), roughly what it costs at 128 new tokens. The bound keeps
-# one step's stall near a decode step's length. `benchmarks.methods`' abl-no-seed measures it
-# at a fixed budget, recap-tree-no-seed under the adaptive default (at concurrency 4, 9
-# interleaved rounds: no visible difference, 2026-12-03).
+# one step's stall near a decode step's length. `benchmarks.methods`' abl-seed measures it at a
+# fixed budget, recap-tree-seed under the adaptive default (at concurrency 4, 9 interleaved
+# rounds: no visible difference, 2026-12-03). Beside the continuations and the shared index the
+# rows took 0-0.7% of the passes off greedy Spec-Bench runs (2026-12-07), so a CPU engine no
+# longer seeds by default (``options.DEVICE_DEFAULTS``); this module serves those that ask.
 CPU_SEED_MACS_PER_STEP = 4e9
 # The fewest rows a decoding request's share of a step's bound is cut to (``rows_this_step``).
 MIN_ROWS_PER_STEP = 8
