@@ -76,7 +76,7 @@ ABLATIONS: list[Ablation] = [
 ]
 # Not one of the paper's rows: the most specific row only, no mixing (FusionMode.BACKOFF).
 # And prompt seeding, whose rows cost LM-head work (~28 ms per ~170-token prompt in bf16 on a
-# 2-core CPU, 38-74 ms a request in float32 on an AVX2-only one) against 0-0.7% fewer passes:
+# 2-core CPU, 38-75 ms a request in float32 on an AVX2-only one) against 0-0.7% fewer passes:
 # off by default on a CPU since 2026-12-07, so the ablation turns it on (the CUDA default).
 EXTRA_ABLATIONS = [Ablation("abl-backoff-only", {"fusion": "backoff"},
                             "fusion vs most-specific row only", "-"),

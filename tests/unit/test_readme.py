@@ -19,7 +19,7 @@ def test_every_knob_is_in_the_readme_table():
     assert not missing, f"README knob table lacks {missing}"
 
 
-def test_hardware_defaults_are_the_readme_tables():
+def test_hardware_dependent_defaults_name_both_devices_in_the_readme():
     """A knob whose default depends on the hardware names both values in its row."""
     rows = {line.split("|")[1].strip(" `"): line for line in
             (ROOT / "README.md").read_text().splitlines() if line.startswith("| `")}

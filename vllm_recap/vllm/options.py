@@ -18,7 +18,7 @@ VLLM_KEYS = ("num_speculative_tokens",)
 
 # Hardware defaults for knobs the user did not set (measured: benchmarks/results/).
 # Prompt seeding is off on a CPU: there each seeded row costs real LM-head work (SmolLM2 in
-# float32 on an AVX2-only CPU ~0.65 ms a row, 38-74 ms a request) and the rows now buy next to
+# float32 on an AVX2-only CPU ~0.65 ms a row, 38-75 ms a request) and the rows now buy next to
 # nothing beside the continuations and the shared index -- at a fixed 8 nodes, greedy float32,
 # 26 Spec-Bench prompts x 128, seeding took 9-12 of 1655 passes off SmolLM2's run (0.5-0.7%),
 # 2 of 1867 under Qwen2.5-VL's settings, none of Gemma-3-270M's 341 (13 x 96) -- while its
