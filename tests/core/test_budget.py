@@ -718,3 +718,14 @@ def test_growth_borrowed_from_another_bucket_carries_on_beyond_its_sizes() -> No
     # 32 drafts at 700: 1 ms + the growth at 300 from 2 to 32 drafts, carried on in
     # proportion beyond its 4: 1 + (2 * 32 / 4 - 1) = 16 ms over the plain step
     assert extra.estimate(33, context=700, drafts=32) == pytest.approx(0.010 + 0.016)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), max_size=40), st.integers(0, 45))
+def test_one_requests_nodes_merge_as_in_a_batch(probs, straight) -> None:
+    """At batch 1 the merge takes a shortcut (a request's own order, no sort): it adds the
+    nodes in the order, with the expected gains (the same float sums) and tree flags, of the
+    general merge -- here the same request beside one with nothing to offer."""
+    from vllm_recap.core.budget import _merge
+
+    assert _merge([probs], [straight]) == _merge([probs, []], [straight, 0])

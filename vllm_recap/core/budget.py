@@ -530,6 +530,13 @@ def _merge(node_probs: list[list[float]], straight: list[int]
         the first d added (gains[0] = 0); is_tree [D + 1]: whether the first d added make
         some request's nodes more than a single path.
     """
+    if len(node_probs) == 1:
+        # One request (batch 1, the common case): its nodes in their own order, since the
+        # rank (running minimum, then position) never reorders one list; the same sums as
+        # the general loop, added in the same order.
+        probs, line = node_probs[0], straight[0]
+        return ([0] * len(probs), [0.0, *accumulate(probs)],
+                [d > line for d in range(len(probs) + 1)])
     ranked = []
     for r, probs in enumerate(node_probs):
         low = 1.0
