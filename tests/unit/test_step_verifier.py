@@ -218,11 +218,15 @@ def test_penalised_trees_undecided_in_the_top_k_fall_back_to_whole_rows():
 
 
 class _FakeImpl:
+    """Records what each cache write stores: the rows whose slot is not vLLM's padding -1
+    (every CPU kernel's cache write skips those)."""
+
     def __init__(self):
         self.calls = []
 
     def do_kv_cache_update(self, layer, k, v, kv_cache, slots):
-        self.calls.append((layer, k.clone(), v.clone(), slots.clone()))
+        keep = slots >= 0
+        self.calls.append((layer, k[keep].clone(), v[keep].clone(), slots[keep].clone()))
 
 
 def _stash(impl, layer, k, v, slots, batch_index=1) -> StashedKV:
@@ -254,6 +258,56 @@ def test_compaction_reads_a_stash_of_whole_layer_tensors_at_the_request_start():
         assert kk[:, 0, 0].tolist() == [8.0, 11.0]  # nodes 3 and 6 of the tree
         assert ss.tolist() == [206, 207]  # the slots of depth 1 and 2
         assert torch.equal(vv, -kk)
+
+
+@pytest.mark.parametrize("views", [True, False])
+def test_compaction_writes_the_cache_as_writing_each_moved_row_does(views):
+    """vLLM's own CPU cache write, on a real paged cache: compaction of two requests' trees in
+    two layers leaves every layer's cache as writing each moved node's K/V to its depth's
+    slot would, and nothing else -- eager steps stash each layer's whole K/V (``views``),
+    others a copy of each request's rows."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_recap.vllm.cpu_backend import RecapCPUAttentionImpl
+
+    kvh, d, bs = 2, 32, 32
+    fake = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32),
+                           parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+    with set_current_vllm_config(fake):
+        impl = RecapCPUAttentionImpl(num_heads=4, head_size=d, scale=d ** -0.5, num_kv_heads=kvh,
+                                     alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    layer = SimpleNamespace(isa=_get_attn_isa(torch.float32, bs, d, "auto"), _k_scale_float=1.0,
+                            _v_scale_float=1.0)
+    g = torch.Generator().manual_seed(0)
+    # rows 0..2: a plain decode; 3..9: request 1's tree (7 nodes); 10..14: request 2's (5)
+    starts = {1: 3, 2: 10}
+    slots = torch.cat([torch.arange(3), 64 + torch.arange(7), 96 + torch.arange(5)])
+    accepted = {1: np.array([2, 5]), 2: np.array([1, 4])}  # request 2: node 1 in place
+    moved = {1: [(2, 1), (5, 2)], 2: [(4, 2)]}  # (node, depth) pairs that must move
+    caches, stash, want = [], [], []
+    for _ in range(2):  # layers
+        key, value = torch.randn(16, kvh, d, generator=g), torch.randn(16, kvh, d, generator=g)
+        cache = torch.randn(4, kvh, bs, 2 * d, generator=g)
+        expected = cache.clone()
+        for r, pairs in moved.items():
+            for node, depth in pairs:
+                row, slot = starts[r] + node, slots[starts[r] + depth].reshape(1)
+                impl.do_kv_cache_update(layer, key[row:row + 1], value[row:row + 1], expected,
+                                        slot)
+        for r, start in starts.items():
+            n = 7 if r == 1 else 5
+            stash.append(StashedKV(impl, layer, cache, r, key, value, slots, start) if views
+                         else StashedKV(impl, layer, cache, r, key[start:start + n].clone(),
+                                        value[start:start + n].clone(),
+                                        slots[start:start + n].clone()))
+        caches.append(cache)
+        want.append(expected)
+    assert compact_kv(stash, accepted) == 4  # (request, layer) pairs that moved a node
+    for cache, expected in zip(caches, want):
+        assert torch.equal(cache, expected)
 
 
 def test_compaction_skips_acceptance_already_in_place():
