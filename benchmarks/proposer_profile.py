@@ -47,13 +47,32 @@ FUNCTIONS = ("topk_rows", "node_tokens_of_rows", "prepare_trees", "write_trees",
 PURE = ("topk_rows", "node_tokens_of_rows", "tree_output", "build_plan")
 
 
-def _timed(fn, times: list[float], again: list[float] | None = None):
+class StepCounter:
+    """Counts the driver's finished steps, so each timed call is booked to its step (the
+    clock appends one ``work_seconds`` entry per finished step, in the same order)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def wrap(self, step_finished):
+        def counted(*args, **kwargs):
+            try:
+                return step_finished(*args, **kwargs)
+            finally:
+                self.step += 1
+        return counted
+
+
+def _timed(fn, times: list[float], again: list[float] | None = None,
+           steps: list[int] | None = None, counter: StepCounter | None = None):
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             times.append(time.perf_counter() - t)
+            if steps is not None:
+                steps.append(counter.step)
             if again is not None:  # the same call on warm caches
                 t = time.perf_counter()
                 fn(*args, **kwargs)
@@ -61,23 +80,44 @@ def _timed(fn, times: list[float], again: list[float] | None = None):
     return wrapper
 
 
-def instrument(driver, again: bool = False) -> dict[str, list[float]]:
+def instrument(driver, again: bool = False, steps: dict[str, list[int]] | None = None,
+               counter: StepCounter | None = None) -> dict[str, list[float]]:
     """Wraps the driver's timed pieces in place; returns name -> seconds per call. With
     ``again``, each of ``PURE`` also runs a second time right after its first, timed as
-    ``"<name> again"``."""
+    ``"<name> again"``. With ``steps`` and ``counter``, ``steps[name]`` gets the step of each
+    call (``counter`` wraps the driver's clock to count them)."""
     from vllm_recap.vllm import driver as driver_module
 
     times: dict[str, list[float]] = collections.defaultdict(list)
+    if steps is not None:
+        driver.clock.step_finished = counter.wrap(driver.clock.step_finished)
+
+    def booked(name: str) -> dict:
+        return {} if steps is None else {"steps": steps[name], "counter": counter}
+
     for path in METHODS:
         *parents, name = path.split(".")
         obj = driver
         for p in parents:
             obj = getattr(obj, p)
-        setattr(obj, name, _timed(getattr(obj, name), times[path]))
+        setattr(obj, name, _timed(getattr(obj, name), times[path], **booked(path)))
     for name in FUNCTIONS:
         repeat = times[f"{name} again"] if again and name in PURE else None
-        setattr(driver_module, name, _timed(getattr(driver_module, name), times[name], repeat))
+        setattr(driver_module, name, _timed(getattr(driver_module, name), times[name], repeat,
+                                            **booked(name)))
     return times
+
+
+def slow_step_pieces(times: dict[str, list[float]], steps: dict[str, list[int]],
+                     slow: set[int]) -> dict[str, float]:
+    """Per piece, its seconds per step over the ``slow`` steps (indices as ``steps``), the
+    largest first; pieces absent from those steps left out."""
+    if not slow:
+        return {}
+    spent = {name: sum(t for t, k in zip(times[name], steps.get(name, ())) if k in slow)
+             for name in times}
+    return {name: total / len(slow)
+            for name, total in sorted(spent.items(), key=lambda kv: -kv[1]) if total > 0}
 
 
 @contextlib.contextmanager
@@ -184,7 +224,9 @@ def main(argv: list[str] | None = None) -> None:
                             args.max_new_tokens)
     seeded = any(p.seed is not None for p in params)
     proposer = model_runner(llm).drafter
-    times = instrument(proposer.recap_hooks, args.again)
+    call_steps: dict[str, list[int]] = collections.defaultdict(list)  # each call's step
+    counter = StepCounter()
+    times = instrument(proposer.recap_hooks, args.again, call_steps, counter)
     with contextlib.ExitStack() as stack:
         layer_times = None
         if args.layers:
@@ -193,8 +235,9 @@ def main(argv: list[str] | None = None) -> None:
             layer_times = stack.enter_context(attention_layers_timed(RecapCPUAttentionImpl))
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
         proposer.reset_figures()
-        for v in [*times.values(), *(layer_times or {}).values()]:
+        for v in [*times.values(), *call_steps.values(), *(layer_times or {}).values()]:
             v.clear()
+        counter.step = 0  # as the clock's figures, cleared above
         t0 = time.perf_counter()
         for start in range(0, len(prompts), args.concurrency):  # default: batch 1
             llm.generate(prompts[start:start + args.concurrency],
@@ -211,6 +254,10 @@ def main(argv: list[str] | None = None) -> None:
     unseeded = {q: float(f(steps - seeding)) for q, f in quantiles}
     slow = steps >= work["p99"]
     seeded_slow = int(np.count_nonzero(slow & (seeding > 0.5)))
+    # what the slow steps spent their time on (the clock keeps the last 4096 steps: the
+    # indices match the counter's while the run has no more)
+    slow_pieces = (slow_step_pieces(times, call_steps, set(np.flatnonzero(slow).tolist()))
+                   if counter.step == len(steps) else {})
     pieces = {name: {"calls": len(v), "p50_ms": float(np.median(v) * 1e3),
                      "mean_ms": float(np.mean(v) * 1e3), "total_ms": float(np.sum(v) * 1e3)}
               for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])) if v}
@@ -221,6 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  without prompt seeding: p50 {unseeded['p50']:.3f} ms, mean "
           f"{unseeded['mean']:.3f} ms, p99 {unseeded['p99']:.3f} ms; steps at or above the p99 "
           f"that seeded prompt rows: {seeded_slow} of {int(np.count_nonzero(slow))}")
+    if slow_pieces:
+        print("  their largest pieces, ms per step: " + ", ".join(
+            f"{name} {seconds * 1e3:.3f}" for name, seconds in list(slow_pieces.items())[:6]))
     for name, p in pieces.items():
         print(f"  {name:24s} calls {p['calls']:6d}  p50 {p['p50_ms']:.3f}  mean "
               f"{p['mean_ms']:.3f}  total {p['total_ms']:.0f} ms")
@@ -250,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
             "vllm_recap": str(Path(vllm_recap.__file__).parent), "wall_s": wall,
             "steps": len(steps),
             "work_ms": work, "work_without_seeding_ms": unseeded,
-            "p99_steps": {"steps": int(np.count_nonzero(slow)), "seeded": seeded_slow},
+            "p99_steps": {"steps": int(np.count_nonzero(slow)), "seeded": seeded_slow,
+                          "pieces_ms": {k: v * 1e3 for k, v in slow_pieces.items()}},
             "pieces": pieces, "attention_layers": layers,
             "attention_layer_calls": layer_calls}, indent=1))
     shutdown_llm(llm)

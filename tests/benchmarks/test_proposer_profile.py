@@ -29,6 +29,11 @@ def test_profile_prints_step_work_and_the_timed_pieces(capsys, tmp_path):
     # seeding is part of the work, so the work without it is no larger
     assert 0 < saved["work_without_seeding_ms"]["mean"] <= saved["work_ms"]["mean"]
     assert 0 <= saved["p99_steps"]["seeded"] <= saved["p99_steps"]["steps"] > 0
+    # what the slow steps spent: every decode step advances its requests, and no piece of
+    # them took longer than the slowest step's whole work
+    slow = saved["p99_steps"]["pieces_ms"]
+    assert slow["_advance"] > 0 and max(slow.values()) <= max(saved["work_ms"].values())
+    assert "their largest pieces, ms per step:" in out
     # both prompts ran in one batch: a decode step advances two requests
     assert saved["concurrency"] == 2
     assert saved["pieces"]["_advance"]["calls"] > 1.5 * saved["steps"] - 4
@@ -84,6 +89,14 @@ def test_layers_times_tree_and_stock_attention_layers(capsys, tmp_path):
     for row in saved["attention_layers"]:
         assert row["tree_calls"] >= 30 and row["stock_calls"] >= 30
         assert row["ratio"] == row["tree_p50_us"] / row["stock_p50_us"] > 0
+
+
+def test_slow_step_pieces_books_each_call_to_its_step():
+    times = {"a": [1.0, 2.0, 4.0], "b": [8.0, 16.0], "c": [32.0]}
+    steps = {"a": [0, 1, 1], "b": [0, 2], "c": [0]}
+    # steps 1 and 2: a spent 6 s, b 16 s, c nothing (left out)
+    assert proposer_profile.slow_step_pieces(times, steps, {1, 2}) == {"b": 8.0, "a": 3.0}
+    assert proposer_profile.slow_step_pieces(times, steps, set()) == {}
 
 
 def test_layer_table_pairs_row_counts_timed_on_both_paths():
