@@ -124,8 +124,7 @@ class _CostTable:
         in another bucket measured on both sides (the one measured furthest down,
         :meth:`_shrunk`), else it costs what the smallest does.
         """
-        price = self._prices.get((ctx, size))  # the common case, without a further call
-        return (price or self.priced_estimate(ctx, size))[0]
+        return self.priced_estimate(ctx, size)[0]
 
     def priced_estimate(self, ctx: int, size: int) -> tuple[float | None, bool]:
         """(:meth:`estimate`, whether it is a *price*: interpolated, not extrapolated, and
