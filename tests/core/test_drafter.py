@@ -227,6 +227,27 @@ def test_budget_zero_drafts_continuations_only_and_depth_zero_nothing() -> None:
         assert d.propose("a", node_budget=1).num_drafts <= 1 + 16
 
 
+def test_matched_length_is_the_longest_recurring_suffix_of_own_or_shared_text() -> None:
+    """What the driver's idle steps watch (a continuation's evidence, no tree built): the
+    longest suffix of the history that occurred before in it, or in the shared index."""
+    d = drafter()
+    d.start("a", [5, 6, 7, 8])
+    assert d.matched_length("a") == 0
+    d.commit("a", [5, 6])
+    assert d.matched_length("a") == 2  # 5 6 occurred at the start
+    d.commit("a", [7])
+    assert d.matched_length("a") == 3
+    d.commit("a", [9])
+    assert d.matched_length("a") == 0
+    d.commit("a", [1, 2, 3, 4])
+    d.stop("a")  # publishes its text to the shared index
+    d.start("b", [30, 1, 2, 3])
+    assert d.matched_length("b") == 3  # 1 2 3 occurred in "a"'s output
+    d2 = drafter(shared_index="off")
+    d2.start("c", [30, 1, 2, 3])
+    assert d2.matched_length("c") == 0
+
+
 # ---------------------------------------------------------------- persistence / isolation
 
 

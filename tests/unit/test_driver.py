@@ -248,10 +248,51 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
         engine.step()
     idle = driver.stats["idle_steps"]
     assert idle > PROBE_EVERY and driver.stats["tree_requests"] == 0
+    for rid, request in engine.requests.items():  # idle steps committed their tokens
+        if driver.drafter.has_request(rid):
+            assert driver.drafter.history(rid) == request.tokens, rid
     choice["b"] = 8  # drafting pays again: the next probe step resumes it
     out = engine.run()
     assert out == _reference(engine.target, 90)
-    assert driver.stats["tree_requests"] > 0 and driver.stats["resynced"] > 0
+    assert driver.stats["tree_requests"] > 0
+
+
+def test_idle_steps_draft_the_continuations_of_recurring_text():
+    """An idle step has no rows, but its tokens still reach the drafter, and a request whose
+    last WATCH_MATCH tokens occurred before gets its continuation offered to the budget (the
+    copied text a request is in the middle of; idling passed over it). The greedy toy target
+    falls into a cycle, so its text recurs; a budget that drafts only what an idle step offers
+    shows the watch alone: outputs identical, and the watched drafts verified and accepted."""
+    from vllm_recap.vllm.driver import WATCH_MATCH
+
+    config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
+    engine = _engine(config=config, max_model_len=2048)
+    driver = engine.drivers[0]
+    offered: list[tuple[int, int]] = []  # per idle choice: (trees offered, most nodes)
+
+    def idle_only():
+        if not driver.scope.current.idle:
+            return 0
+        return 4
+
+    real = _choosing(driver.budget, idle_only)
+
+    def choose(trees, *args, **kwargs):
+        if driver.scope.current.idle:
+            offered.append((len(trees), max(t.num_nodes for t in trees)))
+        return real(trees, *args, **kwargs)
+
+    driver.budget.choose = choose
+    _add_all(engine, 300)
+    out = engine.run()
+    assert out == _reference(engine.target, 300)
+    assert driver.stats["idle_steps"] > 0 and driver.stats["watched_steps"] > 0
+    assert offered and all(n <= len(PROMPTS) for n, _ in offered)
+    assert engine.tree_steps > 0  # the watched drafts were verified, and some accepted
+    assert driver.metrics.snapshot()["acceptance_length"] > 1
+    # every offered tree is a continuation alone (suffix_len 4: at most 4 nodes past the root)
+    assert all(1 < most <= 1 + 4 for _, most in offered)
+    assert WATCH_MATCH >= 2
 
 
 def test_a_step_the_scheduler_cut_is_no_outcome_of_the_decision():
