@@ -302,9 +302,9 @@ class StepDriver:
         near 0 and the driver idles as before (0.96-0.97x against 0.95-1.00x).
 
         Every input is the same on every tensor-parallel rank: the proposals are the full
-        trees every rank builds, and drafts count as scheduled (rank 0's choice). Idle steps'
-        tokens reach the drafter later from vLLM's history (``_catch_up``); their rows are not
-        stored.
+        trees every rank builds, and drafts count as scheduled (rank 0's choice). Idle steps
+        commit their tokens and offer recurring text's continuations (``WATCH_MATCH``); their
+        rows are not computed.
         """
         running = set(plan.req_ids)
         arrived = not running <= self._running
@@ -633,8 +633,8 @@ class StepDriver:
                 for i, r in enumerate(ctx.plan.req_ids)]
 
     def _free_finished(self, runner, ctx: StepContext, sampled_token_ids) -> None:
-        """Frees requests this idle step finished (the scheduler reports them only in a next
-        step, which may never come once the engine goes quiet)."""
+        """Frees requests this step without rows finished (the scheduler reports them only in
+        a next step, which may never come once the engine goes quiet)."""
         batch = runner.input_batch
         for i, sampled in enumerate(sampled_token_ids):
             req_id = ctx.plan.req_ids[i]
