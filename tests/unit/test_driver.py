@@ -257,25 +257,14 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     assert driver.stats["tree_requests"] > 0
 
 
-def test_idle_steps_draft_the_continuations_of_recurring_text():
-    """An idle step has no rows, but its tokens still reach the drafter, and a request whose
-    last WATCH_MATCH tokens occurred before gets its continuation offered to the budget (the
-    copied text a request is in the middle of; idling passed over it). The greedy toy target
-    falls into a cycle, so its text recurs; a budget that drafts only what an idle step offers
-    shows the watch alone: outputs identical, and the watched drafts verified and accepted."""
-    from vllm_recap.vllm.driver import WATCH_MATCH
-
+def _watched_run(params=None):
+    """A run whose budget drafts only what idle steps offer (busy steps decline): returns the
+    engine, its driver, its outputs and, per idle choice, (trees offered, most nodes)."""
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config, max_model_len=2048)
     driver = engine.drivers[0]
-    offered: list[tuple[int, int]] = []  # per idle choice: (trees offered, most nodes)
-
-    def idle_only():
-        if not driver.scope.current.idle:
-            return 0
-        return 4
-
-    real = _choosing(driver.budget, idle_only)
+    offered: list[tuple[int, int]] = []
+    real = _choosing(driver.budget, lambda: 4 if driver.scope.current.idle else 0)
 
     def choose(trees, *args, **kwargs):
         if driver.scope.current.idle:
@@ -283,8 +272,21 @@ def test_idle_steps_draft_the_continuations_of_recurring_text():
         return real(trees, *args, **kwargs)
 
     driver.budget.choose = choose
-    _add_all(engine, 300)
-    out = engine.run()
+    for rid, prompt in PROMPTS.items():
+        engine.add(rid, prompt, 300, params)
+    return engine, driver, engine.run(), offered
+
+
+def test_idle_steps_draft_the_continuations_of_recurring_text():
+    """An idle step has no rows, but its tokens still reach the drafter, and a request whose
+    last WATCH_MATCH tokens occurred before gets its continuation offered to the budget (the
+    copied text a request is in the middle of; idling passed over it). The greedy toy target
+    falls into a cycle, so its text recurs; a budget that drafts only what an idle step offers
+    shows the watch alone: outputs identical, and the watched drafts verified and accepted.
+    Requests with penalties are not watched (measured slower under Qwen2.5-VL's settings)."""
+    from vllm_recap.vllm.driver import WATCH_MATCH
+
+    engine, driver, out, offered = _watched_run()
     assert out == _reference(engine.target, 300)
     assert driver.stats["idle_steps"] > 0 and driver.stats["watched_steps"] > 0
     assert offered and all(n <= len(PROMPTS) for n, _ in offered)
@@ -293,6 +295,9 @@ def test_idle_steps_draft_the_continuations_of_recurring_text():
     # every offered tree is a continuation alone (suffix_len 4: at most 4 nodes past the root)
     assert all(1 < most <= 1 + 4 for _, most in offered)
     assert WATCH_MATCH >= 2
+    engine, driver, _, offered = _watched_run(greedy_params(repetition_penalty=1.05))
+    assert driver.stats["idle_steps"] > 0 and driver.stats["watched_steps"] == 0
+    assert not offered
 
 
 def test_a_step_the_scheduler_cut_is_no_outcome_of_the_decision():
