@@ -511,10 +511,15 @@ class StepDriver:
         batch_cap = (self.config.batch_node_budget // len(decoding)
                      if self.config.batch_node_budget and decoding else None)
         drafting, drain = decoding, None
+        # an idle step proposes continuations only, of plain requests whose last tokens recur
+        # (none: the step is done, no drain bookkeeping)
+        watched = ([i for i in decoding if self._facts(runner, ctx.plan.req_ids[i]).plain
+                    and self.drafter.matched_length(ctx.plan.req_ids[i]) >= WATCH_MATCH]
+                   if watching else decoding)
         # [B] tokens per request (plain Python: a numpy call ~15 us here)
         lengths = (runner.input_batch.num_tokens_no_spec.tolist()
-                   if self.adaptive and decoding else [])
-        if self.adaptive and self.drain.draining and decoding:
+                   if self.adaptive and watched else [])
+        if self.adaptive and self.drain.draining and watched:
             # Only the requests the draining run waits for may shorten it (and only theirs
             # are worth proposing: a proposal costs ~0.1-0.2 ms per request).
             prefilling = [i for i, sampled in enumerate(sampled_token_ids) if not sampled]
@@ -523,10 +528,9 @@ class StepDriver:
             self.stats["drain_steps"] += 1
             self.stats["drain_decoding"] += len(decoding)
             self.stats["drain_longest"] += len(drafting)
-        if watching:  # continuations only, of plain requests whose last tokens recur
+        if watching:
             cap = 0
-            drafting = [i for i in drafting if self._facts(runner, ctx.plan.req_ids[i]).plain
-                        and self.drafter.matched_length(ctx.plan.req_ids[i]) >= WATCH_MATCH]
+            drafting = [i for i in drafting if i in watched]
         trees = {i: self._draft(runner, ctx.plan.req_ids[i], min(cap, rooms[i]),
                                 rooms[i] if batch_cap is None else min(rooms[i], batch_cap))
                  for i in drafting}
