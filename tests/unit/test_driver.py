@@ -236,7 +236,7 @@ def test_idle_mode_skips_the_work_and_probes_back_into_drafting():
     """While the budget keeps choosing no drafts the driver stops computing rows and trees
     (idle), probes every PROBE_EVERY steps, and drafts again once drafting pays; the tokens of
     idle steps still reach the drafter (outputs identical)."""
-    from vllm_recap.vllm.driver import IDLE_AFTER, PROBE_EVERY
+    from vllm_recap.vllm.idle import IDLE_AFTER, PROBE_EVERY
 
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)
@@ -284,7 +284,7 @@ def test_idle_steps_draft_the_continuations_of_recurring_text():
     falls into a cycle, so its text recurs; a budget that drafts only what an idle step offers
     shows the watch alone: outputs identical, and the watched drafts verified and accepted.
     Requests with penalties are not watched (measured slower under Qwen2.5-VL's settings)."""
-    from vllm_recap.vllm.driver import WATCH_MATCH
+    from vllm_recap.vllm.idle import WATCH_MATCH
 
     engine, driver, out, offered = _watched_run()
     assert out == _reference(engine.target, 300)
@@ -343,7 +343,7 @@ def test_budget_decisions_and_idle_switches_are_logged_at_debug_level(caplog):
     RECAP does not draft."""
     import logging
 
-    from vllm_recap.vllm.driver import IDLE_AFTER, PROBE_EVERY
+    from vllm_recap.vllm.idle import IDLE_AFTER, PROBE_EVERY
 
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config)
@@ -386,7 +386,7 @@ def test_idle_probes_back_off_while_they_find_nothing():
     """A probe costs the full per-request work; under a load where drafting never pays, probes
     every 16 steps plus the steps before idling again cost more than drafting won (0.89x at
     concurrency 8). Each probe that does not resume drafting doubles the period."""
-    from vllm_recap.vllm.driver import IDLE_AFTER, PROBE_EVERY_LONGEST, PROBE_WINDOW
+    from vllm_recap.vllm.idle import IDLE_AFTER, PROBE_EVERY_LONGEST, PROBE_WINDOW
 
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config, max_model_len=2048)
@@ -401,7 +401,7 @@ def test_idle_probes_back_off_while_they_find_nothing():
     # idle steps: 5 windows in 500 steps (a fixed period of 16 would probe 27 times)
     assert driver.stats["steps"] == steps
     assert busy <= IDLE_AFTER + 8 + PROBE_WINDOW * 5, busy
-    assert driver._probe_every == PROBE_EVERY_LONGEST
+    assert driver.idle_mode.probe_every == PROBE_EVERY_LONGEST
 
 
 def test_a_batch_that_mostly_drafts_does_not_idle_through_a_run_of_declines():
@@ -409,7 +409,7 @@ def test_a_batch_that_mostly_drafts_does_not_idle_through_a_run_of_declines():
     the driver idled through them 62-103 steps a run, the run's last request alone included.
     Only once the moving share of drafted steps has fallen below IDLE_BELOW_DRAFTING does a
     run of declines idle the driver."""
-    from vllm_recap.vllm.driver import IDLE_AFTER
+    from vllm_recap.vllm.idle import IDLE_AFTER
 
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config, max_model_len=2048)
@@ -437,7 +437,7 @@ def test_a_batch_of_new_requests_does_not_inherit_the_idle_mode():
     was never seeded (seeding takes positions from prefill chunks) and it waited a probe
     period for its first drafts (at batch 1, Spec-Bench, bf16 SmolLM2, a loaded host: 3 of 9
     requests sampled). A batch none of whose requests ran before starts with no history."""
-    from vllm_recap.vllm.driver import IDLE_AFTER
+    from vllm_recap.vllm.idle import IDLE_AFTER
 
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config, max_model_len=2048)
@@ -755,7 +755,7 @@ def test_an_arriving_request_resets_the_probe_back_off():
     """A probe period grown on one request's poor drafts must not keep the next request from
     drafting for up to 128 steps (batch 1 under Qwen2.5-VL's settings fell from 1.09x to 0.98x
     of plain decoding): a new request brings the period back to PROBE_EVERY."""
-    from vllm_recap.vllm.driver import PROBE_EVERY, PROBE_EVERY_LONGEST
+    from vllm_recap.vllm.idle import PROBE_EVERY, PROBE_EVERY_LONGEST
 
     config = RecapConfig(node_budget=8, suffix_len=4, budget_policy=BudgetPolicy.ADAPTIVE)
     engine = _engine(config=config, max_model_len=2048)
@@ -765,12 +765,12 @@ def test_an_arriving_request_resets_the_probe_back_off():
     engine.add(first[0], first[1], 600)
     for _ in range(400):
         engine.step()
-    assert driver._probe_every == PROBE_EVERY_LONGEST
+    assert driver.idle_mode.probe_every == PROBE_EVERY_LONGEST
     engine.add(others[0][0], others[0][1], 50)
     busy_before = driver.stats["steps"] - driver.stats["idle_steps"]
     for _ in range(PROBE_EVERY + 8):
         engine.step()
-    assert driver._probe_every <= 2 * PROBE_EVERY
+    assert driver.idle_mode.probe_every <= 2 * PROBE_EVERY
     # the new request was probed (full work) within PROBE_EVERY steps of its arrival
     assert driver.stats["steps"] - driver.stats["idle_steps"] > busy_before
 

@@ -176,7 +176,7 @@ class StepContext:
         backend_state: per-step data an attention backend derives once from the plan and
             reuses in every layer (its own type; None until the first layer builds it).
         timing: RECAP's own work in this step.
-        idle: RECAP skips its per-request work this step (see StepDriver._idle).
+        idle: RECAP skips its per-request work this step (see vllm_recap.vllm.idle.IdleMode).
         decision: the budget's decision that scheduled this step's drafts (None: no drafts,
             a fixed budget, or the scheduler ran other drafts than decided), to learn how the
             step turned out against it.

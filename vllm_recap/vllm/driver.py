@@ -32,6 +32,7 @@ from vllm_recap.vllm.clock import LmHeadTimes, StepClock
 from vllm_recap.vllm.context import StepContext, StepRows, StepScope
 from vllm_recap.vllm.drain import DrainWatch, longest_requests, remaining_tokens
 from vllm_recap.vllm.eligibility import SamplingFacts, surely_finished
+from vllm_recap.vllm.idle import WATCH_MATCH, IdleMode
 from vllm_recap.vllm.layout import (as_scheduled, build_plan, next_prefill_tokens,
                                     rewrite_positions, slots_with_chains, whole_step_slots)
 from vllm_recap.vllm.memory_rows import memory_state, process_rows
@@ -63,30 +64,6 @@ RUNNER_ATTRIBUTES = (
 # Steps of at most this many tokens stash tree K/V as views in an eager model (a view keeps
 # its layer's QKV output alive until acceptance: for a 7B model ~9 KB per token and layer).
 KV_VIEWS_UP_TO = 512
-# Idle mode (see StepDriver._idle): steps without drafts before idling, the probe period (it
-# doubles after every probe that did not resume drafting, up to the longest, and starts over
-# when a request arrives) and its length.
-IDLE_AFTER = 4
-PROBE_EVERY = 16
-PROBE_EVERY_LONGEST = 128
-PROBE_WINDOW = 2
-# An idle step still commits its tokens, and a request whose last WATCH_MATCH tokens occurred
-# before (in its history or the shared index) gets its continuation proposed there -- no rows
-# needed, a few microseconds a request -- for the budget to take or decline. Idling otherwise
-# passed over the text a request copies: on greedy SmolLM2 Spec-Bench outputs a quarter of the
-# positions follow a match of 3+ tokens, whose continuation's next token held 69-93% of the
-# time (2.7-4.8 of 8 tokens), while RECAP idled through ~half of its steps at concurrency 4.
-# Plain greedy requests only: under Qwen2.5-VL's settings (repetition penalty 1.05, which
-# works against copies) the watch ran 1.17x of plain decoding at concurrency 4 against 1.30x
-# without it (2 rounds, AVX2 EPYC, float32). 0 turns the watch off.
-WATCH_MATCH = 3
-# ... and only while the share of recent steps that drafted, of those offered drafts (a moving
-# average with this weight per step), is below IDLE_BELOW_DRAFTING: a batch that drafts in
-# most steps has runs of declines too, and idling through them lost its next drafts.
-DRAFTING_WEIGHT = 1 / 16
-IDLE_BELOW_DRAFTING = 0.25
-
-
 def without_empty_drafts(spec_decode_metadata):
     """The metadata to sample a step with: None (vLLM's plain sampler) when no request has a
     draft token.
@@ -188,13 +165,9 @@ class StepDriver:
                       "drain_steps": 0, "drain_decoding": 0, "drain_longest": 0,
                       # idle steps that scheduled drafts from the continuation watch
                       "watched_steps": 0}
-        self._quiet = 0  # consecutive steps without scheduled drafts
-        self._drafting = 0.0  # moving share of drafted steps among those offered drafts
-        self._was_idle = False  # the last step idled (for the DEBUG log of switches)
-        self._probe_every = PROBE_EVERY  # idle steps between probes
-        self._since_probe = 0  # idle or probing steps since the last probe window began
-        self._running: set[str] = set()  # the previous step's requests (to see arrivals)
         self.drain = DrainWatch()
+        self.idle_mode = IdleMode(self.adaptive, self.drain)
+        self._was_idle = False  # the last step idled (for the DEBUG log of switches)
         # The budget's decision for the drafts the next step verifies, and (decision, drafts
         # accepted) of the step that verified them, until the clock knows that step's seconds.
         self._decision: Decision | None = None
@@ -251,14 +224,13 @@ class StepDriver:
         decision = self._decision
         if decision is not None and decision.level != int(plan.num_drafts.sum()):
             decision = None
-        ctx = StepContext(plan, proposals=proposals, idle=self._idle(plan, proposals),
+        ctx = StepContext(plan, proposals=proposals, idle=self.idle_mode.step(plan, proposals),
                           decision=decision,
                           kv_views=self.settings.eager and num_tokens <= KV_VIEWS_UP_TO)
         self._decision = None
         if ctx.idle != self._was_idle and logger.isEnabledFor(logging.DEBUG):
-            logger.debug("RECAP idle mode %s (%d declined steps in a row, drafted share %.2f, "
-                         "probe period %d)", "on" if ctx.idle else "off: probing or drafting",
-                         self._quiet, self._drafting, self._probe_every)
+            logger.debug("RECAP idle mode %s (%s)", "on" if ctx.idle else
+                         "off: probing or drafting", self.idle_mode.describe())
         self._was_idle = ctx.idle
         if not ctx.idle and self.compute_logits is not None:
             t1 = time.perf_counter()
@@ -279,73 +251,6 @@ class StepDriver:
         self.stats["tree_requests"] += len(plan.trees)
         ctx.timing.work += time.perf_counter() - t0
         self.scope.install(ctx)
-
-    def _idle(self, plan, proposals: dict[str, DraftTree]) -> bool:
-        """Skip RECAP's per-request work this step (rows, memory updates, proposals)?
-
-        When the budget keeps declining the drafts the drafter offers (drafting does not pay
-        for this batch, e.g. under load), that work is pure overhead. After ``IDLE_AFTER``
-        steps whose offered drafts were all declined the driver idles, except for probe
-        windows of ``PROBE_WINDOW`` steps, which do the full work (their rows refresh the
-        memories, so the probe's trees are real) and let the budget decide to draft again.
-        Probes come every ``PROBE_EVERY`` steps, and the period doubles after each probe that
-        did not resume drafting, up to ``PROBE_EVERY_LONGEST`` (at concurrency 8, probing 2
-        steps in 16 plus the steps before idling again cost more than drafting won); it starts
-        over at ``PROBE_EVERY`` when a request arrives.
-
-        A run of declines idles only a batch that has mostly not been drafting: while the
-        moving share of drafted steps (among steps offered drafts) is at least
-        ``IDLE_BELOW_DRAFTING``, declines are the gaps between drafted stretches, not load.
-        At concurrency 4 on an Intel Xeon (bf16 SmolLM2, 26 prompts x 64 tokens) the driver
-        idled 62-103 steps a run through such gaps, the last request of the run alone
-        included; with the share it idled 11-15 and ran +0.03 of plain decoding's speed on
-        average over 7 paired rounds in two runs (1.24x against 1.18x, then 1.16x against
-        1.16x), +0.04 at concurrency 8; at 16, where drafting never pays, the share stays
-        near 0 and the driver idles as before (0.96-0.97x against 0.95-1.00x).
-
-        Every input is the same on every tensor-parallel rank: the proposals are the full
-        trees every rank builds, and drafts count as scheduled (rank 0's choice). Idle steps
-        commit their tokens and offer recurring text's continuations (``WATCH_MATCH``); their
-        rows are not computed.
-        """
-        running = set(plan.req_ids)
-        arrived = not running <= self._running
-        if arrived and running.isdisjoint(self._running):
-            # A batch none of whose requests ran before (at batch 1: every request) starts
-            # with no history: the declines were of requests that are gone. Inheriting their
-            # idle mode prefilled a new request idle -- its prompt never seeded, its first
-            # drafts a probe period away (3 of 9 requests sampled at batch 1, Spec-Bench,
-            # bf16 SmolLM2, Intel Xeon, while the test suite loaded the host; on a quiet
-            # host no step of 26 such requests idled, before or after).
-            self._quiet, self._drafting, self._since_probe = 0, 0.0, 0
-        if self.drain.update(running, arrived) or arrived:
-            # A new request may draft well where the others did not, and in a draining batch
-            # the longest request may now be one that drafts well: probe at the base period
-            # (a period grown by one long request's poor drafts cost the next request at batch
-            # 1 under Qwen2.5-VL's settings: 1.11x of plain decoding before the back-off, 0.98x
-            # with it).
-            self._probe_every = PROBE_EVERY
-            self._since_probe = min(self._since_probe, PROBE_EVERY)
-        self._running = running
-        if plan.num_drafts.any():
-            self._quiet, self._since_probe, self._probe_every = 0, 0, PROBE_EVERY
-            self._drafting += DRAFTING_WEIGHT * (1.0 - self._drafting)
-        elif any(tree.num_nodes > 1 for tree in proposals.values()):
-            self._quiet += 1  # drafts were offered and the budget declined them
-            self._drafting -= DRAFTING_WEIGHT * self._drafting
-        # A step where the drafter had nothing to offer (cold memories) leaves both as they
-        # are: idling then would stop the memories from ever filling.
-        if not (self.adaptive and self._quiet > IDLE_AFTER
-                and self._drafting < IDLE_BELOW_DRAFTING):
-            return False
-        self._since_probe += 1
-        if self._since_probe <= self._probe_every:
-            return True
-        if self._since_probe > self._probe_every + PROBE_WINDOW:  # a probe that found nothing
-            self._since_probe = 1
-            self._probe_every = min(2 * self._probe_every, PROBE_EVERY_LONGEST)
-            return True
-        return False  # probing
 
     # -- verification ----------------------------------------------------------------------
 
