@@ -1,11 +1,12 @@
 """Interleaved A/B under load (or at batch 1): engines take turns on the same prompts.
 
-    python -m benchmarks.interleave --concurrency 4 --rounds 3 \\
+    python -m benchmarks.interleave --concurrency 4 --rounds 4 \\
         --engines none,recap-tree,recap-tree@/path/to/old/checkout
 
 On a shared 2-core machine the speed of the whole machine drifts by +-10% within minutes,
 which is the size of the effects a budget change makes under load. ``benchmarks.run`` runs
-each method once per repeat (ABBA); here every engine runs once per *round*, in turn, and each
+each method once per repeat (ABBA); here every engine runs once per *round*, in turn (the
+order reversed in odd rounds, see ``round_order``: run an even number of rounds), and each
 RECAP run is paired with the ``none`` run of its own round, so a ratio never spans more than a
 minute. ``name@path`` runs a method with the ``vllm_recap`` of another checkout (e.g. a git
 worktree of an older commit), to measure a change against the code before it.
@@ -14,7 +15,8 @@ Each run is its own process (``--child``): a fresh engine, ``max_num_seqs`` = co
 ``LLM.generate`` over all prompts (vLLM keeps ``concurrency`` requests in flight, a closed
 loop), greedy, one warm-up request first (``benchmarks.workloads.WARMUP_TEXT``, never a
 measured prompt). Results: ``<out>/result.json`` and ``summary.md`` (per-round tokens/s,
-ratio to the round's ``none``, median and [min-max] of the ratios).
+ratio to the round's ``none``, median and [min-max] of the ratios, and from vLLM's counters the
+median tokens per target pass and share of request-passes that verified a draft).
 ``--steps`` also records every engine step and adds where each engine's wall time went by kind
 of step, with a within-run comparison of RECAP's drafted and idle steps
 (``benchmarks/step_breakdown.py``).
@@ -53,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "name@checkout to use another checkout's vllm_recap (default: "
                         "none,recap-tree); none is added first if missing")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: 4)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; every engine once per round")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds; every engine once per round, in reverse order in odd rounds "
+                        "(default: 4)")
     p.add_argument("--per-category", type=int, default=2,
                    help="Spec-Bench prompts per category (default: 2, i.e. 26)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -129,7 +133,7 @@ def child(spec: dict) -> dict:
     # 1.9x for suffix decoding in an open loop)
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup_ids"])], params, use_tqdm=False)
     steps = record_steps(llm) if spec.get("steps") else None
-    before = spec_counters(llm) if steps is not None else None
+    before = spec_counters(llm)  # outside the timed run: get_metrics walks vLLM's registry
     times = spec.get("arrival_times")
     t0 = time.perf_counter()
     if times:
@@ -139,14 +143,13 @@ def child(spec: dict) -> dict:
     wall = time.perf_counter() - t0
     if steps:
         steps.append({"t": t0 + wall})  # the end of the last step
-    drafting = ({k: v - before[k] for k, v in spec_counters(llm).items()}
-                if before is not None else None)
+    drafting = {k: v - before[k] for k, v in spec_counters(llm).items()}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompts": len(prompts), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall,
             "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
             "vllm_recap": str(Path(vllm_recap.__file__).parent), "sampler_fixes": fixes,
-            **({"steps": steps, "drafting": drafting} if steps is not None else {}),
+            "drafting": drafting, **({"steps": steps} if steps is not None else {}),
             **({"latency_s": latencies, "mean_latency_s": statistics.fmean(latencies)}
                if latencies is not None else {})}
 
@@ -265,6 +268,16 @@ def engines(text: str) -> list[tuple[str, str | None]]:
     return out
 
 
+def round_order(chosen: list, r: int) -> list:
+    """The engines of round ``r`` in the order they run: as given in even rounds, reversed in
+    odd ones. Where an engine runs in a round moves its speed: in two runs under Qwen2.5-VL's
+    settings at concurrency 4 (AMD EPYC, float32, 2026-12-07) the same two checkouts, third
+    and second after ``none``, swapped leads when their order swapped, the third ahead by
+    ~0.1 of plain decoding's speed in all five rounds. Alternating cancels such an effect
+    over pairs of rounds (ABBA, as ``benchmarks.run``): run an even number of rounds."""
+    return list(chosen) if r % 2 == 0 else list(chosen)[::-1]
+
+
 def label(method: str, checkout: str | None) -> str:
     return method if checkout is None else f"{method}@{checkout}"
 
@@ -282,14 +295,35 @@ def run_one(spec: dict, checkout: str | None, workdir: Path) -> dict:
     return json.loads(lines[-1])
 
 
+def pass_figures(run: dict) -> tuple[float, float] | None:
+    """(decode tokens per target pass, share of request-passes that verified a draft) of one
+    run, from vLLM's counters over its timed part; None where the run kept none.
+
+    Every request's first token comes from its prefill; each later pass of a request commits
+    one token plus the draft tokens it accepted, so its decode passes are
+    tokens - prompts - accepted. vLLM counts accepted tokens before a request's length limit
+    truncates its last pass, so both figures are approximate by at most a few tokens a
+    request. They separate "fewer passes" from "dearer passes" in a speed ratio."""
+    counters = run.get("drafting")
+    if not counters or "tokens" not in run:
+        return None
+    decoded = run["tokens"] - run["prompts"]
+    passes = decoded - counters["accepted_tokens"]
+    if passes <= 0:
+        return None
+    return decoded / passes, counters["drafts"] / passes
+
+
 def summarize(runs: list[dict], names: list[str]) -> list[dict]:
-    """Per engine: tokens/s per round, ratio to the same round's none, median [min-max].
+    """Per engine: tokens/s per round, ratio to the same round's none, median [min-max], and
+    the medians of :func:`pass_figures` over its rounds (None for runs without counters).
 
     The ratio is tokens/s over none's, or, for open-loop runs (``mean_latency_s``), none's
     mean latency over the engine's; those rows also list the mean latency per round."""
     rows = []
     for name in names:
         mine = [r for r in runs if r["engine"] == name and "tokens_per_s" in r]
+        figures = [f for f in map(pass_figures, mine) if f is not None]
         ratios = []
         for r in mine:
             base = next((b for b in runs if b["engine"] == "none" and b["round"] == r["round"]
@@ -304,6 +338,10 @@ def summarize(runs: list[dict], names: list[str]) -> list[dict]:
                      "ratios": [round(x, 3) for x in ratios],
                      "median": statistics.median(ratios) if ratios else None,
                      "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
+                     "tokens_per_pass": (statistics.median(f[0] for f in figures)
+                                         if figures else None),
+                     "drafted_share": (statistics.median(f[1] for f in figures)
+                                       if figures else None),
                      "errors": sum("error" in r for r in runs if r["engine"] == name)})
     return rows
 
@@ -315,23 +353,27 @@ def markdown(result: dict) -> str:
             f"the same schedule for every engine), at most {a['concurrency']} running; ratio = "
             f"the same round's `none` mean latency (arrival to last token) over the engine's"
             if rate else "ratio = tokens/s over the same round's `none`")
+    turns = (", in reverse order in odd rounds" if result.get("order") == "alternating" else "")
     lines = [f"# Interleaved load A/B: {a['model']}, concurrency {a['concurrency']}, "
              f"sampling {a.get('sampling', 'greedy')}", "",
              f"{result['date']}, {m['cpu_model']} ({m['cpus']} CPUs, {', '.join(m['cpu_flags'])}), "
              f"dtype {result['dtype']}, git {m.get('git')}; {result['prompts']} Spec-Bench prompts x "
              f"{a['max_new_tokens']} tokens{' (EOS ignored)' if a.get('ignore_eos') else ''}, "
-             f"{a['rounds']} rounds, engines in turn within each round; {loop}.", "",
+             f"{a['rounds']} rounds, engines in turn within each round{turns}; {loop}.", "",
              "| engine | " + ("mean latency s per round | " if rate else "") +
-             "tokens/s per round | ratio to none per round | median [min-max] | errors |",
-             "|---|---|---|---|---|" + ("---|" if rate else "")]
+             "tokens/s per round | ratio to none per round | median [min-max] | "
+             "tokens/pass (drafted) | errors |",
+             "|---|---|---|---|---|---|" + ("---|" if rate else "")]
     for row in result["rows"]:
+        passes = ("-" if row.get("tokens_per_pass") is None else
+                  f"{row['tokens_per_pass']:.2f} ({100 * row['drafted_share']:.0f}%)")
         spread = ("-" if row["median"] is None else
                   f"{row['median']:.2f}x [{row['min']:.2f}-{row['max']:.2f}]")
         latency = (f"{', '.join(f'{x:.3f}' for x in row.get('mean_latency_s', [])) or '-'} | "
                    if rate else "")
         lines.append(f"| {row['engine']} | {latency}{', '.join(map(str, row['tokens_per_s']))} | "
                      f"{', '.join(f'{x:.2f}' for x in row['ratios']) or '-'} | {spread} | "
-                     f"{row['errors']} |")
+                     f"{passes} | {row['errors']} |")
     from benchmarks.step_breakdown import markdown as steps_markdown
 
     kinds = steps_markdown(result.get("step_kinds") or [])
@@ -369,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     with tqdm(total=args.rounds * len(chosen), desc="interleave", unit="run") as bar:
         for r in range(args.rounds):
-            for method, checkout in chosen:
+            for method, checkout in round_order(chosen, r):
                 spec = {"model": model, "dtype": args.dtype, "config": METHODS[method].config,
                         "concurrency": args.concurrency, "prompts": prompts,
                         "warmup_ids": warmup_ids,
@@ -385,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = [label(m, c) for m, c in chosen]
     done = [r for r in runs if "dtype" in r]
     result = {"date": started, "args": vars(args), "machine": machine_info(), "model": model,
+              "order": "alternating",  # see round_order
               "dtype": done[0]["dtype"] if done else args.dtype,
               "prompts": done[0]["prompts"] if done else 0, "runs": runs,
               "rows": summarize(runs, names), "step_kinds": breakdown(runs, names)}

@@ -84,3 +84,6 @@ def test_open_loop_child_serves_requests_from_their_arrival_times(tiny_qwen2, tm
     assert all(0 < x < out["wall_s"] for x in out["latency_s"])
     assert out["wall_s"] >= 0.6  # the last request came in at 0.6 s
     assert out["mean_latency_s"] == pytest.approx(sum(out["latency_s"]) / 3)
+    # vLLM's counters are kept without --steps too (the summary's tokens per pass)
+    assert set(out["drafting"]) == {"drafts", "draft_tokens", "accepted_tokens"}
+    assert 0 <= out["drafting"]["accepted_tokens"] <= out["drafting"]["draft_tokens"]

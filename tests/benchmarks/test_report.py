@@ -552,7 +552,48 @@ def test_interleave_pairs_each_run_with_the_none_run_of_its_own_round():
               "date": "d", "dtype": "bfloat16", "prompts": 26,
               "rows": list(rows.values())}
     text = interleave.markdown(result)
-    assert "| recap-tree | 90.0, 126.0 | 0.90, 1.05 | 0.98x [0.90-1.05] | 1 |" in text
+    assert "| recap-tree | 90.0, 126.0 | 0.90, 1.05 | 0.98x [0.90-1.05] | - | 1 |" in text
+
+
+def test_interleave_reverses_the_engines_in_odd_rounds():
+    """Where an engine runs in a round moved its speed by ~0.1 of plain decoding's (Qwen2.5-VL's
+    settings, concurrency 4): alternating the order cancels that over pairs of rounds."""
+    from benchmarks import interleave
+
+    chosen = interleave.engines("recap-tree,recap-tree@/tmp/x,suffix")
+    assert interleave.round_order(chosen, 0) == chosen
+    assert interleave.round_order(chosen, 1) == chosen[::-1]
+    assert interleave.round_order(chosen, 2) == chosen
+    for r in range(4):  # every engine once per round
+        assert sorted(interleave.round_order(chosen, r), key=str) == sorted(chosen, key=str)
+    result = {"args": {"model": "smollm2", "concurrency": 4, "rounds": 2, "max_new_tokens": 64},
+              "machine": {"cpu_model": "cpu", "cpus": 2, "cpu_flags": ["avx2"], "git": "abc"},
+              "date": "d", "dtype": "float32", "prompts": 4, "rows": [], "order": "alternating"}
+    assert "in reverse order in odd rounds" in interleave.markdown(result)
+    del result["order"]  # results from before the alternation say nothing of it
+    assert "reverse order" not in interleave.markdown(result)
+
+
+def test_interleave_counts_tokens_per_pass_from_vllms_counters():
+    """Each request's first token is its prefill's; every later pass commits one token plus
+    what it accepted: 4 requests, 100 tokens, 36 accepted -> 96 decoded in 60 passes."""
+    from benchmarks import interleave
+
+    counters = {"drafts": 30, "draft_tokens": 90, "accepted_tokens": 36}
+    run = {"engine": "recap-tree", "round": 0, "tokens_per_s": 90.0, "tokens": 100,
+           "prompts": 4, "drafting": counters}
+    assert interleave.pass_figures(run) == (1.6, 0.5)
+    plain = {"engine": "none", "round": 0, "tokens_per_s": 80.0, "tokens": 100, "prompts": 4,
+             "drafting": dict.fromkeys(counters, 0)}
+    assert interleave.pass_figures(plain) == (1.0, 0.0)  # plain decoding: one token a pass
+    assert interleave.pass_figures({**run, "drafting": None}) is None
+    rows = {r["engine"]: r for r in interleave.summarize([plain, run], ["none", "recap-tree"])}
+    assert rows["recap-tree"]["tokens_per_pass"] == 1.6
+    assert rows["none"]["tokens_per_pass"] == 1.0
+    result = {"args": {"model": "smollm2", "concurrency": 4, "rounds": 1, "max_new_tokens": 64},
+              "machine": {"cpu_model": "cpu", "cpus": 2, "cpu_flags": ["avx2"], "git": "abc"},
+              "date": "d", "dtype": "float32", "prompts": 4, "rows": list(rows.values())}
+    assert "| 1.12x [1.12-1.12] | 1.60 (50%) | 0 |" in interleave.markdown(result)
 
 
 def test_interleave_open_loop_ratio_is_none_latency_over_the_engines():
@@ -573,7 +614,8 @@ def test_interleave_open_loop_ratio_is_none_latency_over_the_engines():
               "date": "d", "dtype": "bfloat16", "prompts": 52, "rows": list(rows.values())}
     text = interleave.markdown(result)
     assert "Poisson arrivals at 3 requests/s" in text
-    assert "| recap-tree | 1.600, 3.300 | 51.0, 49.0 | 1.25, 0.91 | 1.08x [0.91-1.25] | 0 |" in text
+    assert ("| recap-tree | 1.600, 3.300 | 51.0, 49.0 | 1.25, 0.91 | 1.08x [0.91-1.25] | - | 0 |"
+            in text)
 
 
 def test_interleave_arrival_times_are_one_seeded_poisson_schedule():
