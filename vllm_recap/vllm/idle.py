@@ -37,8 +37,10 @@ IDLE_BELOW_DRAFTING = 0.25
 # positions follow a match of 3+ tokens, whose continuation's next token held 69-93% of the
 # time (2.7-4.8 of 8 tokens), while RECAP idled through ~half of its steps at concurrency 4.
 # Plain greedy requests only: under Qwen2.5-VL's settings (repetition penalty 1.05, which
-# works against copies) the watch ran 1.17x of plain decoding at concurrency 4 against 1.30x
-# without it (2 rounds, AVX2 EPYC, float32). 0 turns the watch off.
+# works against copies) the watch first ran 1.17x of plain decoding at concurrency 4 against
+# 1.30x without it (2 rounds, AVX2 EPYC, float32), a gap later traced to the engines' order in
+# the round; with the order alternating, watching penalised requests too ran 1.22x against
+# 1.19x (4 rounds, not shown either way), so the restriction stays. 0 turns the watch off.
 WATCH_MATCH = 3
 
 
