@@ -533,6 +533,15 @@ def test_fp32_recheck_reruns_exactly_the_differing_prompts_and_reports_identity(
 
 # -- interleaved A/B ------------------------------------------------------------------------
 
+def _interleave_result(rows: dict, dtype: str = "float32", prompts: int = 4,
+                       order: str | None = None, **args) -> dict:
+    """A ``benchmarks.interleave`` result around summary ``rows`` (by engine), for markdown."""
+    return {"args": {"model": "smollm2", "concurrency": 4, "max_new_tokens": 64, **args},
+            "machine": {"cpu_model": "cpu", "cpus": 2, "cpu_flags": ["avx2"], "git": "abc"},
+            "date": "d", "dtype": dtype, "prompts": prompts, "rows": list(rows.values()),
+            **({"order": order} if order else {})}
+
+
 def test_interleave_pairs_each_run_with_the_none_run_of_its_own_round():
     from benchmarks import interleave
 
@@ -547,10 +556,7 @@ def test_interleave_pairs_each_run_with_the_none_run_of_its_own_round():
     assert rows["recap-tree"]["ratios"] == [0.9, 1.05]  # per round, not 108 / 110
     assert rows["recap-tree"]["median"] == pytest.approx(0.975)
     assert rows["recap-tree"]["errors"] == 1 and rows["none"]["ratios"] == [1.0, 1.0]
-    result = {"args": {"model": "smollm2", "concurrency": 4, "rounds": 3, "max_new_tokens": 64},
-              "machine": {"cpu_model": "cpu", "cpus": 2, "cpu_flags": ["avx2"], "git": "abc"},
-              "date": "d", "dtype": "bfloat16", "prompts": 26,
-              "rows": list(rows.values())}
+    result = _interleave_result(rows, rounds=3, dtype="bfloat16", prompts=26)
     text = interleave.markdown(result)
     assert "| recap-tree | 90.0, 126.0 | 0.90, 1.05 | 0.98x [0.90-1.05] | - | 1 |" in text
 
@@ -566,9 +572,7 @@ def test_interleave_reverses_the_engines_in_odd_rounds():
     assert interleave.round_order(chosen, 2) == chosen
     for r in range(4):  # every engine once per round
         assert sorted(interleave.round_order(chosen, r), key=str) == sorted(chosen, key=str)
-    result = {"args": {"model": "smollm2", "concurrency": 4, "rounds": 2, "max_new_tokens": 64},
-              "machine": {"cpu_model": "cpu", "cpus": 2, "cpu_flags": ["avx2"], "git": "abc"},
-              "date": "d", "dtype": "float32", "prompts": 4, "rows": [], "order": "alternating"}
+    result = _interleave_result({}, rounds=2, order="alternating")
     assert "in reverse order in odd rounds" in interleave.markdown(result)
     del result["order"]  # results from before the alternation say nothing of it
     assert "reverse order" not in interleave.markdown(result)
@@ -590,9 +594,7 @@ def test_interleave_counts_tokens_per_pass_from_vllms_counters():
     rows = {r["engine"]: r for r in interleave.summarize([plain, run], ["none", "recap-tree"])}
     assert rows["recap-tree"]["tokens_per_pass"] == 1.6
     assert rows["none"]["tokens_per_pass"] == 1.0
-    result = {"args": {"model": "smollm2", "concurrency": 4, "rounds": 1, "max_new_tokens": 64},
-              "machine": {"cpu_model": "cpu", "cpus": 2, "cpu_flags": ["avx2"], "git": "abc"},
-              "date": "d", "dtype": "float32", "prompts": 4, "rows": list(rows.values())}
+    result = _interleave_result(rows, rounds=1)
     assert "| 1.12x [1.12-1.12] | 1.60 (50%) | 0 |" in interleave.markdown(result)
 
 
@@ -608,10 +610,8 @@ def test_interleave_open_loop_ratio_is_none_latency_over_the_engines():
     rows = {r["engine"]: r for r in interleave.summarize(runs, ["none", "recap-tree"])}
     assert rows["recap-tree"]["ratios"] == [1.25, pytest.approx(0.909, abs=1e-3)]
     assert rows["recap-tree"]["mean_latency_s"] == [1.6, 3.3]
-    result = {"args": {"model": "smollm2", "concurrency": 16, "rounds": 2, "max_new_tokens": 64,
-                       "arrival_rate": 3.0, "arrival_seed": 0},
-              "machine": {"cpu_model": "cpu", "cpus": 2, "cpu_flags": ["avx2"], "git": "abc"},
-              "date": "d", "dtype": "bfloat16", "prompts": 52, "rows": list(rows.values())}
+    result = _interleave_result(rows, concurrency=16, rounds=2, arrival_rate=3.0,
+                                arrival_seed=0, dtype="bfloat16", prompts=52)
     text = interleave.markdown(result)
     assert "Poisson arrivals at 3 requests/s" in text
     assert ("| recap-tree | 1.600, 3.300 | 51.0, 49.0 | 1.25, 0.91 | 1.08x [0.91-1.25] | - | 0 |"

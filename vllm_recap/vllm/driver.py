@@ -48,7 +48,7 @@ from vllm_recap.vllm.tree_verify import write as write_trees
 from vllm_recap.vllm.verifier import (compact_kv, node_tokens_of_rows, off_chain,
                                       top1_is_argmax, topk_rows)
 
-# DEBUG: every budget decision and idle-mode switch (``VLLM_LOGGING_LEVEL=DEBUG``)
+# DEBUG: every budget decision (``VLLM_LOGGING_LEVEL=DEBUG``; idle-mode switches: idle.py)
 logger = logging.getLogger("vllm.recap")
 
 # What the driver reads from vLLM's model runner (checked once, at the first step).
@@ -167,7 +167,6 @@ class StepDriver:
                       "watched_steps": 0}
         self.drain = DrainWatch()
         self.idle_mode = IdleMode(self.adaptive, self.drain)
-        self._was_idle = False  # the last step idled (for the DEBUG log of switches)
         # The budget's decision for the drafts the next step verifies, and (decision, drafts
         # accepted) of the step that verified them, until the clock knows that step's seconds.
         self._decision: Decision | None = None
@@ -228,10 +227,6 @@ class StepDriver:
                           decision=decision,
                           kv_views=self.settings.eager and num_tokens <= KV_VIEWS_UP_TO)
         self._decision = None
-        if ctx.idle != self._was_idle and logger.isEnabledFor(logging.DEBUG):
-            logger.debug("RECAP idle mode %s (%s)", "on" if ctx.idle else
-                         "off: probing or drafting", self.idle_mode.describe())
-        self._was_idle = ctx.idle
         if not ctx.idle and self.compute_logits is not None:
             t1 = time.perf_counter()
             ctx.seeding = self.seeder.plan(plan, batch.token_ids_cpu, self.records)

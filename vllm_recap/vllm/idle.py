@@ -12,11 +12,15 @@ rank builds, and drafts count as scheduled (rank 0's choice).
 """
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 from vllm_recap.core.tree import DraftTree
+from vllm_recap.vllm.context import StepPlan
 from vllm_recap.vllm.drain import DrainWatch
-from vllm_recap.vllm.layout import StepPlan
+
+# DEBUG: every switch of the idle mode (``VLLM_LOGGING_LEVEL=DEBUG``; the driver's logger)
+logger = logging.getLogger("vllm.recap")
 
 # Steps without drafts before idling, the probe period (it doubles after every probe that did
 # not resume drafting, up to the longest, and starts over when a request arrives) and its
@@ -61,6 +65,7 @@ class IdleMode:
         self.probe_every = PROBE_EVERY  # idle steps between probes
         self.since_probe = 0  # idle or probing steps since the last probe window began
         self._running: set[str] = set()  # the previous step's requests (to see arrivals)
+        self.idle = False  # the last step's decision
 
     def step(self, plan: StepPlan, proposals: Mapping[str, DraftTree]) -> bool:
         """Skip RECAP's per-request work this step (rows, memory updates, proposals)?
@@ -115,6 +120,15 @@ class IdleMode:
             self.drafting -= DRAFTING_WEIGHT * self.drafting
         # A step where the drafter had nothing to offer (cold memories) leaves both as they
         # are: idling then would stop the memories from ever filling.
+        idle = self._decide()
+        if idle != self.idle and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("RECAP idle mode %s (%s)", "on" if idle else "off: probing or drafting",
+                         self.describe())
+        self.idle = idle
+        return idle
+
+    def _decide(self) -> bool:
+        """Idle, from the state :meth:`step` brought up to date (probe windows counted)."""
         if not (self.adaptive and self.quiet > IDLE_AFTER
                 and self.drafting < IDLE_BELOW_DRAFTING):
             return False
