@@ -16,7 +16,10 @@ Each run is its own process (``--child``): a fresh engine, ``max_num_seqs`` = co
 loop), greedy, one warm-up request first (``benchmarks.workloads.WARMUP_TEXT``, never a
 measured prompt). Results: ``<out>/result.json`` and ``summary.md`` (per-round tokens/s,
 ratio to the round's ``none``, median and [min-max] of the ratios, and from vLLM's counters the
-median tokens per target pass and share of request-passes that verified a draft).
+median tokens per target pass and share of request-passes that verified a draft). At
+concurrency 1 (closed loop) the child serves the prompts one at a time and records each, and
+the summary adds a per-category table, each category paired with its round's ``none``
+(``benchmarks/category_rounds.py``).
 ``--steps`` also records every engine step and adds where each engine's wall time went by kind
 of step, with a within-run comparison of RECAP's drafted and idle steps
 (``benchmarks/step_breakdown.py``).
@@ -136,11 +139,16 @@ def child(spec: dict) -> dict:
     before = spec_counters(llm)  # outside the timed run: get_metrics walks vLLM's registry
     times = spec.get("arrival_times")
     t0 = time.perf_counter()
+    requests = None
     if times:
         outs, latencies = open_loop(llm.llm_engine, batch, params, times)
+    elif spec.get("per_request"):
+        (outs, requests), latencies = one_at_a_time(llm, batch, params), None
     else:
         outs, latencies = llm.generate(batch, params, use_tqdm=False), None
     wall = time.perf_counter() - t0
+    if requests is not None:  # the requests' own time: the counters were read between them
+        wall = sum(r["seconds"] for r in requests)
     if steps:
         steps.append({"t": t0 + wall})  # the end of the last step
     drafting = {k: v - before[k] for k, v in spec_counters(llm).items()}
@@ -150,6 +158,7 @@ def child(spec: dict) -> dict:
             "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
             "vllm_recap": str(Path(vllm_recap.__file__).parent), "sampler_fixes": fixes,
             "drafting": drafting, **({"steps": steps} if steps is not None else {}),
+            **({"requests": requests} if requests is not None else {}),
             **({"latency_s": latencies, "mean_latency_s": statistics.fmean(latencies)}
                if latencies is not None else {})}
 
@@ -191,6 +200,28 @@ def open_loop(engine, prompts: list, params, times: list[float]) -> tuple[list, 
         elif sent < len(prompts):
             time.sleep(max(0.0, times[sent] - (time.perf_counter() - start)))
     return [finished[i] for i in ids], [done_at[i] - t for i, t in zip(ids, times)]
+
+
+def one_at_a_time(llm, prompts: list, params) -> tuple[list, list[dict]]:
+    """Batch 1 request by request (``per_request``): what ``max_num_seqs`` 1 does with all
+    prompts at once, plus each request's own figures for the per-category table.
+
+    Returns:
+        The outputs in prompt order, and per request its generated ``tokens``, ``seconds``
+        (from its submission to its last token) and the deltas of vLLM's speculative
+        counters over it (:data:`SPEC_COUNTERS`), read between requests, outside their time.
+    """
+    outs, records = [], []
+    for prompt in prompts:
+        before = spec_counters(llm)
+        t = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - t
+        after = spec_counters(llm)
+        outs.append(out)
+        records.append({"tokens": len(out.outputs[0].token_ids), "seconds": seconds,
+                        **{k: v - before[k] for k, v in after.items()}})
+    return outs, records
 
 
 # vLLM's speculative-decoding counters (as benchmarks.harness.SPEC_COUNTERS; the child does
@@ -374,10 +405,13 @@ def markdown(result: dict) -> str:
         lines.append(f"| {row['engine']} | {latency}{', '.join(map(str, row['tokens_per_s']))} | "
                      f"{', '.join(f'{x:.2f}' for x in row['ratios']) or '-'} | {spread} | "
                      f"{passes} | {row['errors']} |")
+    from benchmarks.category_rounds import markdown as categories_markdown
     from benchmarks.step_breakdown import markdown as steps_markdown
 
-    kinds = steps_markdown(result.get("step_kinds") or [])
-    return "\n".join(lines) + "\n" + ("\n" + kinds if kinds else "")
+    names = [row["engine"] for row in result["rows"]]
+    extra = [t for t in (categories_markdown(result.get("categories") or [], names),
+                         steps_markdown(result.get("step_kinds") or [])) if t]
+    return "\n".join(lines) + "\n" + "".join("\n" + t for t in extra)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -385,6 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child:
         print(json.dumps(child(json.loads(Path(args.child).read_text()))))
         return {}
+    from benchmarks.category_rounds import category_rows
     from benchmarks.machine import machine_info
     from benchmarks.methods import METHODS
     from benchmarks.run import resolve_model_path
@@ -398,8 +433,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = [p.token_ids for p in spec_bench_prompts(tokenizer, args.per_category, None,
-                                                        SPEC_BENCH, 1536)]
+    chosen_prompts = spec_bench_prompts(tokenizer, args.per_category, None, SPEC_BENCH, 1536)
+    prompts = [p.token_ids for p in chosen_prompts]
+    categories = [p.category for p in chosen_prompts]
+    # batch 1 in a closed loop: request by request, for the per-category table
+    per_request = args.concurrency == 1 and not args.arrival_rate > 0
     warmup_ids = render(tokenizer, [WARMUP_TEXT])
     chosen = engines(args.engines)
     unknown = [m for m, _ in chosen if m not in METHODS]
@@ -417,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "warmup_ids": warmup_ids,
                         "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
                         "sampling": dict(SAMPLINGS[args.sampling].params),
-                        "steps": args.steps,
+                        "steps": args.steps, "per_request": per_request,
                         "arrival_times": (arrival_times(len(prompts), args.arrival_rate,
                                                         args.arrival_seed)
                                           if args.arrival_rate > 0 else None)}
@@ -430,7 +468,8 @@ def main(argv: list[str] | None = None) -> dict:
               "order": "alternating",  # see round_order
               "dtype": done[0]["dtype"] if done else args.dtype,
               "prompts": done[0]["prompts"] if done else 0, "runs": runs,
-              "rows": summarize(runs, names), "step_kinds": breakdown(runs, names)}
+              "rows": summarize(runs, names), "step_kinds": breakdown(runs, names),
+              "categories": category_rows(runs, names, categories) if per_request else []}
     (out / "spec.json").unlink(missing_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     (out / "summary.md").write_text(markdown(result))

@@ -87,3 +87,23 @@ def test_open_loop_child_serves_requests_from_their_arrival_times(tiny_qwen2, tm
     # vLLM's counters are kept without --steps too (the summary's tokens per pass)
     assert set(out["drafting"]) == {"drafts", "draft_tokens", "accepted_tokens"}
     assert 0 <= out["drafting"]["accepted_tokens"] <= out["drafting"]["draft_tokens"]
+
+
+def test_batch_one_child_records_each_request(tiny_qwen2, tmp_path):
+    """``per_request`` (batch 1, closed loop): the prompts are served one at a time, each with
+    its own seconds and vLLM's counters over it, which add up to the run's."""
+    from benchmarks import interleave
+
+    prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
+    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32",
+            "config": {"method": "recap"}, "concurrency": 1, "max_new_tokens": 16,
+            "max_model_len": 512, "sampling": {"temperature": 0.0}, "ignore_eos": True,
+            "per_request": True}
+    out = interleave.run_one(spec, None, tmp_path)
+    assert "error" not in out, out.get("error")
+    requests = out["requests"]
+    assert [r["tokens"] for r in requests] == [16, 16]
+    assert all(r["seconds"] > 0 for r in requests)
+    assert out["wall_s"] == pytest.approx(sum(r["seconds"] for r in requests))
+    for key in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert sum(r[key] for r in requests) == out["drafting"][key]

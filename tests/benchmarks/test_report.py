@@ -627,3 +627,50 @@ def test_interleave_arrival_times_are_one_seeded_poisson_schedule():
     assert times[0] == 0.0 and (gaps > 0).all()
     assert gaps.mean() == pytest.approx(0.2, rel=0.05)  # 1 / rate
     assert gaps.std() == pytest.approx(0.2, rel=0.1)  # exponential: std = mean
+
+
+def _request(tokens: int, seconds: float, accepted: int = 0) -> dict:
+    return {"tokens": tokens, "seconds": seconds, "accepted_tokens": accepted}
+
+
+def test_interleave_categories_pair_each_category_with_its_rounds_none():
+    """Batch 1: a category's speed is its requests' tokens over their seconds, paired with the
+    same round's ``none`` (a round where the machine ran slow for everyone cancels out)."""
+    from benchmarks import interleave
+    from benchmarks.category_rounds import category_rows, leads
+
+    categories = ["rag", "qa", "rag"]
+    runs = [  # round 1 ran at half speed for every engine
+        {"engine": "none", "round": 0,
+         "requests": [_request(10, 1.0), _request(10, 1.0), _request(10, 1.0)]},
+        {"engine": "none", "round": 1,
+         "requests": [_request(10, 2.0), _request(10, 2.0), _request(10, 2.0)]},
+        {"engine": "recap-tree", "round": 0,
+         "requests": [_request(10, 0.5, 4), _request(10, 1.0, 0), _request(10, 0.5, 5)]},
+        {"engine": "recap-tree", "round": 1,
+         "requests": [_request(10, 1.0, 4), _request(10, 2.5, 0), _request(10, 1.0, 5)]},
+        {"engine": "suffix", "round": 0,
+         "requests": [_request(10, 0.4, 6), _request(10, 1.0, 0), _request(10, 0.4, 6)]},
+        {"engine": "suffix", "round": 1, "error": "boom"},  # left out
+    ]
+    rows = {r["category"]: r["engines"]
+            for r in category_rows(runs, ["none", "recap-tree", "suffix"], categories)}
+    assert list(rows) == ["rag", "qa"]
+    assert rows["rag"]["recap-tree"]["ratios"] == [2.0, 2.0]  # not 2.0 and 4.0
+    assert rows["qa"]["recap-tree"]["ratios"] == [1.0, 0.8]
+    assert rows["qa"]["recap-tree"]["median"] == pytest.approx(0.9)
+    assert rows["rag"]["suffix"]["ratios"] == [2.5]
+    # rag, recap-tree: 4 requests x 9 decoded tokens, 18 accepted -> 36 / 18 passes
+    assert rows["rag"]["recap-tree"]["tokens_per_pass"] == 2.0
+    assert rows["qa"]["none"]["tokens_per_pass"] == 1.0
+    table = category_rows(runs, ["none", "recap-tree", "suffix"], categories)
+    assert leads(table, "suffix") == (2, 2)  # rag 2.5 > 2.0; qa 1.0 >= 0.9
+    assert leads(table, "recap-tree") == (0, 2)
+    result = {**_interleave_result({}, concurrency=1, rounds=2), "categories": table,
+              "rows": [{"engine": n, "tokens_per_s": [], "ratios": [], "median": None,
+                        "errors": 0} for n in ("none", "recap-tree", "suffix")]}
+    text = interleave.markdown(result)
+    assert "| category | recap-tree | suffix |" in text
+    assert "| rag | 2.00x [2.00-2.00], 2.00 | 2.50x [2.50-2.50], 3.00 |" in text
+    assert "- suffix: at or above every other speculative engine in 2 of 2 categories" in text
+    assert "## Per category" not in interleave.markdown({**result, "categories": []})
