@@ -637,7 +637,7 @@ def test_interleave_categories_pair_each_category_with_its_rounds_none():
     """Batch 1: a category's speed is its requests' tokens over their seconds, paired with the
     same round's ``none`` (a round where the machine ran slow for everyone cancels out)."""
     from benchmarks import interleave
-    from benchmarks.category_rounds import category_rows, leads
+    from benchmarks.category_rounds import category_rows, leads, rivals
 
     categories = ["rag", "qa", "rag"]
     runs = [  # round 1 ran at half speed for every engine
@@ -666,11 +666,17 @@ def test_interleave_categories_pair_each_category_with_its_rounds_none():
     table = category_rows(runs, ["none", "recap-tree", "suffix"], categories)
     assert leads(table, "suffix") == (2, 2)  # rag 2.5 > 2.0; qa 1.0 >= 0.9
     assert leads(table, "recap-tree") == (0, 2)
+    # RECAP's methods are counted against vLLM's, not against each other
+    assert rivals("recap-tree", ["none", "recap-tree", "recap-tree-b16", "suffix", "ngram"]) \
+        == ["suffix", "ngram"]
+    assert rivals("suffix", ["none", "recap-tree", "suffix", "ngram"]) == ["recap-tree"]
+    assert rivals("recap-tree@/tmp/x", ["none", "recap-tree", "recap-tree@/tmp/x"]) \
+        == ["recap-tree"]  # no vLLM method in the run: every other engine
     result = {**_interleave_result({}, concurrency=1, rounds=2), "categories": table,
               "rows": [{"engine": n, "tokens_per_s": [], "ratios": [], "median": None,
                         "errors": 0} for n in ("none", "recap-tree", "suffix")]}
     text = interleave.markdown(result)
     assert "| category | recap-tree | suffix |" in text
     assert "| rag | 2.00x [2.00-2.00], 2.00 | 2.50x [2.50-2.50], 3.00 |" in text
-    assert "- suffix: at or above every other speculative engine in 2 of 2 categories" in text
+    assert "- suffix: at or above recap-tree in 2 of 2 categories" in text
     assert "## Per category" not in interleave.markdown({**result, "categories": []})
