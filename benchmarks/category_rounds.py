@@ -96,9 +96,31 @@ def leads(rows: list[dict], name: str) -> tuple[int, int]:
     return won, total
 
 
-def markdown(rows: list[dict], names: list[str]) -> str:
+def identical(runs: list[dict], name: str) -> tuple[int, int] | None:
+    """(requests whose output equals the same round's ``none`` output, requests compared) of
+    ``name`` over its rounds; None where no run recorded its outputs. Greedy float32 outputs
+    are the same for every method; in bfloat16 a pass of several tokens rounds differently
+    from one-token decoding, so some differ (see README, "About identity in bfloat16")."""
+    same = compared = 0
+    for r in runs:
+        if r["engine"] != name or not r.get("requests"):
+            continue
+        base = next((b for b in runs if b["engine"] == "none" and b["round"] == r["round"]
+                     and b.get("requests")), None)
+        if base is None:
+            continue
+        for mine, ref in zip(r["requests"], base["requests"]):
+            if "output_ids" in mine and "output_ids" in ref:
+                compared += 1
+                same += mine["output_ids"] == ref["output_ids"]
+    return (same, compared) if compared else None
+
+
+def markdown(rows: list[dict], names: list[str],
+             identity: dict[str, list[int] | None] | None = None) -> str:
     """The per-category table (median ratio to ``none`` [min-max] and tokens per pass per
-    engine), then each speculative engine's count of categories it leads its rivals in."""
+    engine), then each speculative engine's count of categories it leads its rivals in, and
+    (``identity``: engine -> :func:`identical`) how many of its outputs were ``none``'s."""
     if not rows:
         return ""
     shown = [n for n in names if n != "none"]
@@ -120,4 +142,8 @@ def markdown(rows: list[dict], names: list[str]) -> str:
         won, total = leads(rows, n)
         lines.append(f"- {n}: at or above {', '.join(rivals(n, names))} in {won} of "
                      f"{total} categories")
+    same = [f"{n} {v[0]}/{v[1]}" for n, v in (identity or {}).items() if v]
+    if same:
+        lines += ["", "Outputs identical to the same round's `none`, requests over all rounds: "
+                  + ", ".join(same) + "."]
     return "\n".join(lines) + "\n"

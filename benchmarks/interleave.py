@@ -207,8 +207,9 @@ def one_at_a_time(llm, prompts: list, params) -> tuple[list, list[dict]]:
     prompts at once, plus each request's own figures for the per-category table.
 
     Returns:
-        The outputs in prompt order, and per request its generated ``tokens``, ``seconds``
-        (from its submission to its last token) and the deltas of vLLM's speculative
+        The outputs in prompt order, and per request its generated ``tokens`` and
+        ``output_ids``, ``seconds`` (from its submission to its last token) and the deltas of
+        vLLM's speculative
         counters over it (:data:`SPEC_COUNTERS`), read between requests, outside their time.
     """
     outs, records = [], []
@@ -219,7 +220,8 @@ def one_at_a_time(llm, prompts: list, params) -> tuple[list, list[dict]]:
         seconds = time.perf_counter() - t
         after = spec_counters(llm)
         outs.append(out)
-        records.append({"tokens": len(out.outputs[0].token_ids), "seconds": seconds,
+        ids = list(out.outputs[0].token_ids)
+        records.append({"tokens": len(ids), "seconds": seconds, "output_ids": ids,
                         **{k: v - before[k] for k, v in after.items()}})
     return outs, records
 
@@ -409,7 +411,8 @@ def markdown(result: dict) -> str:
     from benchmarks.step_breakdown import markdown as steps_markdown
 
     names = [row["engine"] for row in result["rows"]]
-    extra = [t for t in (categories_markdown(result.get("categories") or [], names),
+    extra = [t for t in (categories_markdown(result.get("categories") or [], names,
+                                             result.get("identical")),
                          steps_markdown(result.get("step_kinds") or [])) if t]
     return "\n".join(lines) + "\n" + "".join("\n" + t for t in extra)
 
@@ -419,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child:
         print(json.dumps(child(json.loads(Path(args.child).read_text()))))
         return {}
-    from benchmarks.category_rounds import category_rows
+    from benchmarks.category_rounds import category_rows, identical
     from benchmarks.machine import machine_info
     from benchmarks.methods import METHODS
     from benchmarks.run import resolve_model_path
@@ -469,7 +472,9 @@ def main(argv: list[str] | None = None) -> dict:
               "dtype": done[0]["dtype"] if done else args.dtype,
               "prompts": done[0]["prompts"] if done else 0, "runs": runs,
               "rows": summarize(runs, names), "step_kinds": breakdown(runs, names),
-              "categories": category_rows(runs, names, categories) if per_request else []}
+              "categories": category_rows(runs, names, categories) if per_request else [],
+              "identical": ({n: identical(runs, n) for n in names if n != "none"}
+                            if per_request else {})}
     (out / "spec.json").unlink(missing_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     (out / "summary.md").write_text(markdown(result))

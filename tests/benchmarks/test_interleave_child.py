@@ -103,6 +103,7 @@ def test_batch_one_child_records_each_request(tiny_qwen2, tmp_path):
     assert "error" not in out, out.get("error")
     requests = out["requests"]
     assert [r["tokens"] for r in requests] == [16, 16]
+    assert [len(r["output_ids"]) for r in requests] == [16, 16]
     assert all(r["seconds"] > 0 for r in requests)
     assert out["wall_s"] == pytest.approx(sum(r["seconds"] for r in requests))
     for key in ("drafts", "draft_tokens", "accepted_tokens"):

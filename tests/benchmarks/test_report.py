@@ -680,3 +680,27 @@ def test_interleave_categories_pair_each_category_with_its_rounds_none():
     assert "| rag | 2.00x [2.00-2.00], 2.00 | 2.50x [2.50-2.50], 3.00 |" in text
     assert "- suffix: at or above recap-tree in 2 of 2 categories" in text
     assert "## Per category" not in interleave.markdown({**result, "categories": []})
+
+
+def test_interleave_counts_outputs_identical_to_the_rounds_none():
+    from benchmarks import interleave
+    from benchmarks.category_rounds import category_rows, identical
+
+    def run(engine, r, outputs):
+        return {"engine": engine, "round": r,
+                "requests": [{**_request(len(o), 1.0), "output_ids": o} for o in outputs]}
+
+    runs = [run("none", 0, [[1, 2], [3, 4]]), run("none", 1, [[1, 2], [3, 5]]),
+            run("recap-tree", 0, [[1, 2], [3, 4]]), run("recap-tree", 1, [[1, 2], [3, 4]]),
+            run("suffix", 0, [[1, 2], [3, 4]])]
+    assert identical(runs, "recap-tree") == (3, 4)  # round 1's none went another way
+    assert identical(runs, "suffix") == (2, 2)
+    assert identical([{**r, "requests": [{"tokens": 1, "seconds": 1.0}]} for r in runs],
+                     "suffix") is None  # older results kept no outputs
+    names = ["none", "recap-tree", "suffix"]
+    result = {**_interleave_result({}, concurrency=1, rounds=2), "categories": category_rows(
+        runs, names, ["qa", "qa"]), "identical": {"recap-tree": [3, 4], "suffix": [2, 2]},
+        "rows": [{"engine": n, "tokens_per_s": [], "ratios": [], "median": None, "errors": 0}
+                 for n in names]}
+    assert ("Outputs identical to the same round's `none`, requests over all rounds: "
+            "recap-tree 3/4, suffix 2/2.") in interleave.markdown(result)
