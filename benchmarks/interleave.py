@@ -146,11 +146,12 @@ def child(spec: dict) -> dict:
         (outs, requests), latencies = one_at_a_time(llm, batch, params), None
     else:
         outs, latencies = llm.generate(batch, params, use_tqdm=False), None
-    wall = time.perf_counter() - t0
+    end = time.perf_counter()
+    wall = end - t0
     if requests is not None:  # the requests' own time: the counters were read between them
         wall = sum(r["seconds"] for r in requests)
     if steps:
-        steps.append({"t": t0 + wall})  # the end of the last step
+        steps.append({"t": end})  # the end of the last step
     drafting = {k: v - before[k] for k, v in spec_counters(llm).items()}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompts": len(prompts), "tokens": tokens, "wall_s": wall,
@@ -209,8 +210,8 @@ def one_at_a_time(llm, prompts: list, params) -> tuple[list, list[dict]]:
     Returns:
         The outputs in prompt order, and per request its generated ``tokens`` and
         ``output_ids``, ``seconds`` (from its submission to its last token) and the deltas of
-        vLLM's speculative
-        counters over it (:data:`SPEC_COUNTERS`), read between requests, outside their time.
+        vLLM's speculative counters over it (:data:`SPEC_COUNTERS`), read between requests,
+        outside their time.
     """
     outs, records = [], []
     for prompt in prompts:
