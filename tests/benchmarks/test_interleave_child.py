@@ -5,8 +5,8 @@ rejection sampler expands per-token top-k into uninitialised memory ("index ... 
 bounds") unless the sampler fixes ``benchmarks.run`` installs for every method are installed.
 What that memory holds varies, so the crash itself is not reproducible on demand: the test
 checks that the child installed the fixes, and that ngram then runs a top-k/top-p setting.
-One engine start per test on the tiny random Qwen2 (~30 s); the second test checks the
-per-step records of ``--steps`` under RECAP.
+One engine start per test on the tiny random Qwen2 (~20-30 s); the others check the
+per-step records of ``--steps`` under RECAP, the open loop, and batch 1 request by request.
 """
 from __future__ import annotations
 
@@ -17,15 +17,23 @@ import pytest
 pytestmark = pytest.mark.engine
 
 WARMUP = [41, 42, 43, 44, 45]  # the warm-up prompt: outside every measured set
+# Repeating prompts, so the proposers draft from the first decode step on.
+PROMPTS = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
+
+
+def _greedy_recap_spec(model: str, **extra) -> dict:
+    """A child spec: RECAP, greedy, 16 tokens per prompt (EOS ignored), ``extra`` on top."""
+    return {"prompts": PROMPTS, "warmup_ids": WARMUP, "model": model, "dtype": "float32",
+            "config": {"method": "recap"}, "concurrency": 2, "max_new_tokens": 16,
+            "max_model_len": 512, "sampling": {"temperature": 0.0}, "ignore_eos": True,
+            **extra}
 
 
 def test_ngram_child_runs_a_top_k_top_p_setting(tiny_qwen2, tmp_path, monkeypatch):
     from benchmarks import interleave
     from benchmarks.methods import NGRAM
 
-    # Repeating prompts, so the n-gram proposer drafts from the first decode step on.
-    prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
-    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32",
+    spec = {"prompts": PROMPTS, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32",
             "config": NGRAM, "concurrency": 2, "max_new_tokens": 16, "max_model_len": 512,
             "sampling": {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
                          "repetition_penalty": 1.05}, "ignore_eos": True, "steps": True}
@@ -47,17 +55,12 @@ def test_recap_child_records_its_steps(tiny_qwen2, tmp_path):
     from benchmarks import interleave
     from benchmarks.step_breakdown import KINDS, kind, run_kinds
 
-    prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
-    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32",
-            "config": {"method": "recap"}, "concurrency": 2, "max_new_tokens": 16,
-            "max_model_len": 512, "sampling": {"temperature": 0.0}, "ignore_eos": True,
-            "steps": True}
-    out = interleave.run_one(spec, None, tmp_path)
+    out = interleave.run_one(_greedy_recap_spec(tiny_qwen2, steps=True), None, tmp_path)
     assert "error" not in out, out.get("error")
     steps = out["steps"]
     assert set(steps[-1]) == {"t"}  # the end marker
     assert all("idle" in s and "committed" in s for s in steps[:-1])
-    assert sum(s["arrivals"] for s in steps[:-1]) == len(prompts)
+    assert sum(s["arrivals"] for s in steps[:-1]) == len(PROMPTS)
     assert all(kind(s) in KINDS for s in steps[:-1])
     assert sum(s["committed"] for s in steps[:-1]) >= out["tokens"] == 32
     drafting = out["drafting"]  # vLLM's counters over the timed run
@@ -73,11 +76,8 @@ def test_open_loop_child_serves_requests_from_their_arrival_times(tiny_qwen2, tm
     meanwhile, and reports each request's latency from that time."""
     from benchmarks import interleave
 
-    prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21], [31, 32] * 9]
-    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32",
-            "config": {"method": "recap"}, "concurrency": 2, "max_new_tokens": 16,
-            "max_model_len": 512, "sampling": {"temperature": 0.0}, "ignore_eos": True,
-            "arrival_times": [0.0, 0.3, 0.6]}
+    spec = _greedy_recap_spec(tiny_qwen2, prompts=[*PROMPTS, [31, 32] * 9],
+                              arrival_times=[0.0, 0.3, 0.6])
     out = interleave.run_one(spec, None, tmp_path)
     assert "error" not in out, out.get("error")
     assert out["tokens"] == 48 and len(out["latency_s"]) == 3
@@ -94,11 +94,7 @@ def test_batch_one_child_records_each_request(tiny_qwen2, tmp_path):
     its own seconds and vLLM's counters over it, which add up to the run's."""
     from benchmarks import interleave
 
-    prompts = [[11, 12, 13, 14] * 6 + [11, 12], [21, 22, 23] * 8 + [21]]
-    spec = {"prompts": prompts, "warmup_ids": WARMUP, "model": tiny_qwen2, "dtype": "float32",
-            "config": {"method": "recap"}, "concurrency": 1, "max_new_tokens": 16,
-            "max_model_len": 512, "sampling": {"temperature": 0.0}, "ignore_eos": True,
-            "per_request": True}
+    spec = _greedy_recap_spec(tiny_qwen2, concurrency=1, per_request=True)
     out = interleave.run_one(spec, None, tmp_path)
     assert "error" not in out, out.get("error")
     requests = out["requests"]
