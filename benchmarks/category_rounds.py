@@ -46,16 +46,14 @@ def category_rows(runs: list[dict], names: list[str], categories: list[str]) -> 
     done = [r for r in runs if len(r.get("requests") or []) == len(categories)]
     rows = []
     for category, members in groups.items():
+        # none's speed on the category, per round: what each engine's run is divided by
+        plain = {r["round"]: _category_speed(r["requests"], members)
+                 for r in done if r["engine"] == "none"}
         cells = {}
         for name in names:
             mine = [r for r in done if r["engine"] == name]
-            ratios = []
-            for r in mine:
-                base = next((b for b in done if b["engine"] == "none"
-                             and b["round"] == r["round"]), None)
-                if base is not None and _category_speed(base["requests"], members) > 0:
-                    ratios.append(_category_speed(r["requests"], members)
-                                  / _category_speed(base["requests"], members))
+            ratios = [_category_speed(r["requests"], members) / plain[r["round"]]
+                      for r in mine if plain.get(r["round"], 0) > 0]
             decoded = sum(r["requests"][i]["tokens"] - 1 for r in mine for i in members)
             passes = decoded - sum(r["requests"][i].get("accepted_tokens", 0)
                                    for r in mine for i in members)

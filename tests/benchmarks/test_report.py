@@ -653,8 +653,8 @@ def test_interleave_categories_pair_each_category_with_its_rounds_none():
          "requests": [_request(10, 0.4, 6), _request(10, 1.0, 0), _request(10, 0.4, 6)]},
         {"engine": "suffix", "round": 1, "error": "boom"},  # left out
     ]
-    rows = {r["category"]: r["engines"]
-            for r in category_rows(runs, ["none", "recap-tree", "suffix"], categories)}
+    table = category_rows(runs, ["none", "recap-tree", "suffix"], categories)
+    rows = {r["category"]: r["engines"] for r in table}
     assert list(rows) == ["rag", "qa"]
     assert rows["rag"]["recap-tree"]["ratios"] == [2.0, 2.0]  # not 2.0 and 4.0
     assert rows["qa"]["recap-tree"]["ratios"] == [1.0, 0.8]
@@ -663,7 +663,6 @@ def test_interleave_categories_pair_each_category_with_its_rounds_none():
     # rag, recap-tree: 4 requests x 9 decoded tokens, 18 accepted -> 36 / 18 passes
     assert rows["rag"]["recap-tree"]["tokens_per_pass"] == 2.0
     assert rows["qa"]["none"]["tokens_per_pass"] == 1.0
-    table = category_rows(runs, ["none", "recap-tree", "suffix"], categories)
     assert leads(table, "suffix") == (2, 2)  # rag 2.5 > 2.0; qa 1.0 >= 0.9
     assert leads(table, "recap-tree") == (0, 2)
     # RECAP's methods are counted against vLLM's, not against each other
