@@ -116,7 +116,7 @@ def record(driver, depth: int) -> list[Proposal]:
         tree = draft(runner, req_id, node_budget, room)
         path = tree.first_path()
         probs = driver.budget.calibration(driver._kind(runner, req_id)).probability_list(
-            path.depths, path.parents, path.scores)
+            path.depths, path.parents, path.scores, path.sources)
         row = runner.input_batch.req_id_to_index[req_id]
         pending[req_id] = Proposal(steps[0], req_id,
                                    int(runner.input_batch.num_tokens_no_spec[row]),

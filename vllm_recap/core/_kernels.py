@@ -1456,38 +1456,55 @@ def _score_bin(edges, x):
 
 
 @njit(cache=True)
-def calibration_observe(accepted, mass, decay, depths, scores, hits, edges, max_depth):
-    """Decays both [D + 1, bins] tables, adds each non-root node's score to ``mass`` and 1 to
-    ``accepted`` for each hit node (indices into the tree, root excluded), in place; the
-    additions run in node order, as ``np.add.at`` does."""
+def calibration_observe(accepted, mass, decay, depths, scores, classes, hits, edges, max_depth):
+    """Decays both [C, D + 1, bins] tables, adds each non-root node's score to ``mass`` and 1
+    to ``accepted`` for each hit node (indices into the tree, root excluded), at the node's
+    class ``classes[i]``, in place; the additions run in node order, as ``np.add.at`` does."""
     accepted *= decay
     mass *= decay
+    num_classes = accepted.shape[0]  # a class out of range wraps (never out of bounds)
     for i in range(1, depths.shape[0]):
-        mass[min(depths[i], max_depth), _score_bin(edges, scores[i])] += scores[i]
+        c = classes[i] % num_classes
+        mass[c, min(depths[i], max_depth), _score_bin(edges, scores[i])] += scores[i]
     for h in hits:
-        accepted[min(depths[h], max_depth), _score_bin(edges, scores[h])] += 1.0
+        c = classes[h] % num_classes
+        accepted[c, min(depths[h], max_depth), _score_bin(edges, scores[h])] += 1.0
 
 
 @njit(cache=True)
 def calibration_factors(accepted, mass, prior_mass, prior, prior_depth_mass, out):
-    """out[d, s] = (accepted + prior_mass[s] * f_d) / (mass + prior_mass[s]), f_d = the
-    depth's pooled factor (sums over its bins, shrunk to prior[d])."""
-    for d in range(accepted.shape[0]):
+    """out[c, d, s] = (accepted + prior_mass[s] * f_cd) / (mass + prior_mass[s]): f_cd = the
+    class's pooled factor at depth d (sums over its bins), shrunk to f_d = every class's
+    pooled factor at depth d, itself shrunk to prior[d] (``prior_depth_mass`` each)."""
+    num_classes, depths, bins = accepted.shape
+    for d in range(depths):
         a = 0.0
         m = 0.0
-        for s in range(accepted.shape[1]):
-            a += accepted[d, s]
-            m += mass[d, s]
+        for c in range(num_classes):
+            for s in range(bins):
+                a += accepted[c, d, s]
+                m += mass[c, d, s]
         pooled = (a + prior_depth_mass * prior[d]) / (m + prior_depth_mass)
-        for s in range(accepted.shape[1]):
-            out[d, s] = (accepted[d, s] + prior_mass[s] * pooled) / (mass[d, s] + prior_mass[s])
+        for c in range(num_classes):
+            ac = 0.0
+            mc = 0.0
+            for s in range(bins):
+                ac += accepted[c, d, s]
+                mc += mass[c, d, s]
+            own = (ac + prior_depth_mass * pooled) / (mc + prior_depth_mass)
+            for s in range(bins):
+                out[c, d, s] = ((accepted[c, d, s] + prior_mass[s] * own)
+                                / (mass[c, d, s] + prior_mass[s]))
 
 
 @njit(cache=True)
-def calibration_probabilities(factors, edges, depths, parents, scores, max_depth, out):
-    """out[:n] = P(node accepted): min(1, factor * score), root 1, never above the parent's."""
+def calibration_probabilities(factors, edges, depths, parents, scores, classes, max_depth, out):
+    """out[:n] = P(node accepted): min(1, factor of the node's class, depth and score bin x
+    score), root 1, never above the parent's."""
     out[0] = 1.0
     for i in range(1, depths.shape[0]):
-        p = min(1.0, factors[min(depths[i], max_depth), _score_bin(edges, scores[i])] * scores[i])
+        c = classes[i] % factors.shape[0]
+        f = factors[c, min(depths[i], max_depth), _score_bin(edges, scores[i])]
+        p = min(1.0, f * scores[i])
         q = out[parents[i]]
         out[i] = p if p < q else q

@@ -107,7 +107,7 @@ class Drain:
 
 
 class AcceptanceCalibration:
-    """Maps builder scores to acceptance probabilities, per depth and score range.
+    """Maps builder scores to acceptance probabilities, per node source, depth and score range.
 
     Builder scores are products of fused probabilities and per-depth discounts (or, for
     continuations, evidence estimates), so they rank nodes well but are not probabilities,
@@ -116,21 +116,33 @@ class AcceptanceCalibration:
     are the trees the controller verifies). So the factor is kept per depth *and* per score
     bin (half-decade wide): ``factor[d, s] = accepted[d, s] / score_mass[d, s]`` over recent
     verified trees (exponentially decayed), where accepted counts the verified nodes of depth
-    d and bin s that were accepted and score_mass sums their scores. Rare bins shrink to their
-    depth's pooled factor (``prior_nodes`` pseudo-nodes per bin), and that to ``prior[d]``,
-    which undoes the discounts (``prior_depth_mass`` pseudo-score per depth).
+    d and bin s that were accepted and score_mass sums their scores.
+
+    And per *source* (the tree's ``sources`` bit mask: memory rows, the request's own
+    continuation, the shared index, or several): the two kinds of score mean different
+    things, and one factor for both was wrong for each. Measured at concurrency 4 (bf16
+    SmolLM2, 26 Spec-Bench prompts x 64, every verified node's probability from the factors
+    before its tree was observed): nodes from the memories alone were accepted 0.29x as often
+    as estimated, the request's own continuations 0.82x and the shared index's 1.04x.
+
+    Rare bins shrink to their source's pooled factor at that depth (``prior_nodes``
+    pseudo-nodes per bin), that to every source's pooled factor at the depth
+    (``prior_depth_mass`` pseudo-score), and that to ``prior[d]``, which undoes the discounts
+    (``prior_depth_mass`` pseudo-score). Trees without sources use class 0.
 
     Args:
         depth_discounts: the builder's discounts (`RecapConfig.depth_discounts`).
-        prior_nodes: pseudo-nodes of a bin's prior (its depth's pooled factor).
+        prior_nodes: pseudo-nodes of a bin's prior (its source's pooled factor at its depth).
         decay: per-tree decay of past observations.
-        prior_depth_mass: pseudo-score of a depth's prior (the discounts).
+        prior_depth_mass: pseudo-score of a depth's priors.
     """
 
     # Bin s holds scores in [EDGES[s - 1], EDGES[s]); bin 0 below 1e-3, the last from 1.
     EDGES = 10.0 ** np.arange(-3.0, 0.25, 0.5)
     # A representative score per bin (the geometric middle), for the prior's pseudo-mass.
     MIDDLES = np.r_[5e-4, np.sqrt(EDGES[:-1] * EDGES[1:]), 1.0]
+    # Source classes: every combination of the three SOURCE_* bits; 0 where not tracked.
+    CLASSES = 8
 
     def __init__(self, depth_discounts: tuple[float, ...], prior_nodes: float = 2.0,
                  decay: float = 0.995, prior_depth_mass: float = 2.0) -> None:
@@ -138,45 +150,60 @@ class AcceptanceCalibration:
         # probabilities, so 1 / that product undoes the discounts (1 at the root).
         self.prior = 1.0 / np.cumprod(discount_table(depth_discounts))
         self.decay = decay
-        shape = (MAX_DEPTH + 1, len(self.MIDDLES))
-        self.accepted = np.zeros(shape)
+        shape = (self.CLASSES, MAX_DEPTH + 1, len(self.MIDDLES))
+        self.accepted = np.zeros(shape)  # [classes, depths, bins]
         self.mass = np.zeros(shape)
         self._prior_mass = prior_nodes * self.MIDDLES  # [bins]
         self.prior_depth_mass = prior_depth_mass
         self._factors: np.ndarray | None = None  # cached until the next observation
 
     def factors(self) -> np.ndarray:
-        """[MAX_DEPTH + 1, bins] score -> probability factor (depth 0 unused).
+        """[classes, MAX_DEPTH + 1, bins] score -> probability factor (depth 0 unused).
 
-        A bin's prior is its depth's pooled factor, not the discounts: the discounts assume
-        every fused probability is exact, which at depth 4-6 overrated the sparse bins of the
-        large trees the controller verifies by ~2x under load."""
+        A bin's prior is its source's pooled factor at its depth, not the discounts: the
+        discounts assume every fused probability is exact, which at depth 4-6 overrated the
+        sparse bins of the large trees the controller verifies by ~2x under load."""
         if self._factors is None:
             self._factors = np.empty_like(self.accepted)
             kernels.calibration_factors(self.accepted, self.mass, self._prior_mass, self.prior,
                                         float(self.prior_depth_mass), self._factors)
         return self._factors
 
-    def observe(self, depths: np.ndarray, scores: np.ndarray, accepted: np.ndarray) -> None:
-        """One verified tree: node depths/scores [n] (root included) and the indices of its
-        accepted nodes (root excluded)."""
+    def observe(self, depths: np.ndarray, scores: np.ndarray, accepted: np.ndarray,
+                sources: np.ndarray | None = None) -> None:
+        """One verified tree: node depths/scores/sources [n] (root included; sources as
+        `DraftTree.sources`, None: untracked) and the indices of its accepted nodes (root
+        excluded)."""
         self._factors = None
-        kernels.calibration_observe(self.accepted, self.mass, float(self.decay), _ints(depths),
-                                    _floats(scores), _ints(accepted).reshape(-1), self.EDGES, MAX_DEPTH)
+        depths = _ints(depths)
+        kernels.calibration_observe(self.accepted, self.mass, float(self.decay), depths,
+                                    _floats(scores), _classes(sources, depths.shape[0]),
+                                    _ints(accepted).reshape(-1), self.EDGES, MAX_DEPTH)
 
     def node_probabilities(self, depths: np.ndarray, parents: np.ndarray,
-                           scores: np.ndarray) -> np.ndarray:
+                           scores: np.ndarray, sources: np.ndarray | None = None) -> np.ndarray:
         """[n] estimated P(node accepted), root 1; never above the parent's probability."""
-        return np.array(self.probability_list(depths, parents, scores))
+        return np.array(self.probability_list(depths, parents, scores, sources))
 
     def probability_list(self, depths: np.ndarray, parents: np.ndarray,
-                         scores: np.ndarray) -> list[float]:
+                         scores: np.ndarray, sources: np.ndarray | None = None) -> list[float]:
         """:meth:`node_probabilities` as a Python list (what the controller works on)."""
         depths = _ints(depths)
-        out = np.empty(depths.shape[0])
+        n = depths.shape[0]
+        out = np.empty(n)
         kernels.calibration_probabilities(self.factors(), self.EDGES, depths, _ints(parents),
-                                          _floats(scores), MAX_DEPTH, out)
+                                          _floats(scores), _classes(sources, n), MAX_DEPTH, out)
         return out.tolist()
+
+
+def _classes(sources: np.ndarray | None, n: int) -> np.ndarray:
+    """[n] int64 source classes of a tree's nodes (the kernels wrap any value into range)."""
+    if sources is not None:
+        return _ints(sources)
+    return _UNTRACKED[:n] if n <= _UNTRACKED.shape[0] else np.zeros(n, np.int64)
+
+
+_UNTRACKED = np.zeros(256, np.int64)  # class 0 for trees without sources (read-only use)
 
 
 def _ints(a) -> np.ndarray:
@@ -318,7 +345,8 @@ class BudgetController:
         return np.array(self._gains(tree, kind))
 
     def _gains(self, tree: DraftTree, kind: str) -> list[float]:
-        p = self.calibration(kind).probability_list(tree.depths, tree.parents, tree.scores)
+        p = self.calibration(kind).probability_list(tree.depths, tree.parents, tree.scores,
+                                                    tree.sources)
         return [0.0, *accumulate(p[1:])]
 
     def choose(self, trees: list[DraftTree], fixed_tokens: int,
@@ -358,7 +386,7 @@ class BudgetController:
         kinds = kinds or ["greedy"] * len(trees)
         # Python lists and floats throughout: a few dozen numbers a step, where numpy's
         # per-call overhead was most of the controller's time (~0.25 ms a step).
-        probs = [self.calibration(k).probability_list(t.depths, t.parents, t.scores)
+        probs = [self.calibration(k).probability_list(t.depths, t.parents, t.scores, t.sources)
                  for t, k in zip(trees, kinds)]
         # a prefix of up to this many nodes is a single path (verified as a chain)
         straight = [t.leading_chain() for t in trees]
@@ -474,17 +502,19 @@ class BudgetController:
         self.outcomes.observe(decision, seconds, accepted)
 
     def observe_tree(self, parents: np.ndarray, scores: np.ndarray, accepted: int | np.ndarray,
-                     depths: np.ndarray | None = None, kind: str = "greedy") -> None:
-        """One verified tree: parents/scores/depths [n] of the verified nodes (root included;
-        ``depths`` as `DraftTree.depths`, derived with `tree_depths` when not given), the
-        accepted nodes (their indices, root excluded, or a count k for nodes 1..k: a chain
-        or the best chain), and the acceptance rule it was verified by."""
+                     depths: np.ndarray | None = None, kind: str = "greedy",
+                     sources: np.ndarray | None = None) -> None:
+        """One verified tree: parents/scores/depths/sources [n] of the verified nodes (root
+        included; ``depths`` as `DraftTree.depths`, derived with `tree_depths` when not given;
+        ``sources`` as `DraftTree.sources`), the accepted nodes (their indices, root excluded,
+        or a count k for nodes 1..k: a chain or the best chain), and the acceptance rule it
+        was verified by."""
         if len(parents) > 1:
             if depths is None:
                 depths = tree_depths(parents)
             if np.isscalar(accepted):
                 accepted = np.arange(1, int(accepted) + 1)
-            self.calibration(kind).observe(depths, scores, accepted)
+            self.calibration(kind).observe(depths, scores, accepted, sources)
 
 
 def _described(candidate: tuple) -> str:

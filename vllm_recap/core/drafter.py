@@ -586,6 +586,6 @@ def warmup() -> float:
     from vllm_recap.core.budget import AcceptanceCalibration  # the budget's calibration kernels
 
     calibration = AcceptanceCalibration(RecapConfig().depth_discounts)
-    calibration.observe(tree.depths, tree.scores, np.arange(1, tree.num_nodes))
-    calibration.probability_list(tree.depths, tree.parents, tree.scores)
+    calibration.observe(tree.depths, tree.scores, np.arange(1, tree.num_nodes), tree.sources)
+    calibration.probability_list(tree.depths, tree.parents, tree.scores, tree.sources)
     return time.perf_counter() - t0

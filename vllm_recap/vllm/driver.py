@@ -520,7 +520,8 @@ class StepDriver:
                 # which nodes were accepted: the walked path of a tree, the first ones of a chain
                 nodes = ctx.accepted.get(i, accepted)
                 self.budget.observe_tree(parents, tree.scores[:n], nodes, tree.depths[:n],
-                                         self._kind(runner, req_id))
+                                         self._kind(runner, req_id),
+                                         None if tree.sources is None else tree.sources[:n])
         self.drafter.commit(req_id, sampled)
         record.num_committed = n_tokens
         params = getattr(runner.requests.get(req_id), "sampling_params", None)
