@@ -22,6 +22,14 @@ per request (0.075 expected); drafted ones 0.55 (0.54), see
 ``benchmarks/results/idle-share-xeon_2026-12-05/``. Idle steps propose nothing and are not
 in the replay. In bfloat16 a speculative run's output may differ from plain decoding's; the
 replay checks drafts against the run's own output, which is what its verifier saw.
+
+It also checks the calibration where it is chosen: every verified node's P(accepted), as the
+budget's calibration gave it just before its tree's outcome was observed, against whether it
+was accepted, by node source (memory rows, the request's own continuation, the shared index,
+or several) and depth (``calibration`` in the JSON, the second table). Measured 2026-12-07
+(AMD EPYC AVX-512, bf16, concurrency 4): with one factor for every source, memory-only nodes
+were accepted 0.29x as often as estimated and the request's continuations 0.82x; with a factor
+per source 0.38x and 0.84x, see ``benchmarks/results/source-calibration-epyc-avx512_2026-12-07/``.
 """
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
 
@@ -105,6 +115,59 @@ def replay(proposals: Iterable[Proposal], outputs: dict[str, list[int]], full: i
             for key, rows in sorted(groups.items())}
 
 
+SOURCE_NAMES = ((1, "memory"), (2, "continuation"), (4, "shared index"))  # tree.SOURCE_* bits
+
+
+def source_name(mask: int) -> str:
+    """'memory', 'continuation + shared index', ... for a node's source bit mask."""
+    return " + ".join(name for bit, name in SOURCE_NAMES if mask & bit) or "untracked"
+
+
+def calibration_table(nodes: Iterable[tuple[int, int, float, bool]], deepest: int = 4
+                      ) -> dict[str, dict[str, float]]:
+    """Verified nodes' calibrated P(accepted) against acceptance, by source and depth.
+
+    Args:
+        nodes: (source mask, depth, P, accepted) of every verified draft node.
+        deepest: depths from this one on are pooled ("4+").
+
+    Returns:
+        "<source>, all depths" and "<source>, depth <d>" -> nodes, expected (sum of P),
+        accepted (count) and accepted / expected (``ratio``; 1 is calibrated).
+    """
+    sums: dict[str, list[float]] = {}
+    for mask, depth, p, accepted in nodes:
+        name = source_name(mask)
+        d = f"{deepest}+" if depth >= deepest else str(depth)
+        for key in (f"{name}, all depths", f"{name}, depth {d}"):
+            row = sums.setdefault(key, [0, 0.0, 0])
+            row[0] += 1
+            row[1] += p
+            row[2] += int(accepted)
+    return {key: {"nodes": n, "expected": e, "accepted": a, "ratio": a / e if e else float("nan")}
+            for key, (n, e, a) in sorted(sums.items())}
+
+
+def record_verified(budget) -> list[tuple[int, int, float, bool]]:
+    """Wraps the budget's ``observe_tree`` in place; returns the list it fills with
+    (source mask, depth, P, accepted) per verified draft node of trees with sources, P from
+    the calibration before the tree is observed."""
+    nodes: list[tuple[int, int, float, bool]] = []
+    observe = budget.observe_tree
+
+    def observe_tree(parents, scores, accepted, depths=None, kind="greedy", sources=None):
+        if len(parents) > 1 and sources is not None and depths is not None:
+            probs = budget.calibration(kind).probability_list(depths, parents, scores, sources)
+            hits = (set(range(1, int(accepted) + 1)) if np.isscalar(accepted)
+                    else set(np.asarray(accepted).tolist()))
+            nodes.extend((int(sources[v]), int(depths[v]), probs[v], v in hits)
+                         for v in range(1, len(parents)))
+        return observe(parents, scores, accepted, depths, kind, sources)
+
+    budget.observe_tree = observe_tree
+    return nodes
+
+
 def record(driver, depth: int) -> list[Proposal]:
     """Wraps the driver's ``_draft`` and ``propose`` in place; returns the list they fill."""
     proposals: list[Proposal] = []
@@ -170,7 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
                first_spec_bench_prompts(llm.get_tokenizer(), args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up (not recorded)
-    proposals = record(model_runner(llm).drafter.recap_hooks, args.depth)
+    driver = model_runner(llm).drafter.recap_hooks
+    proposals = record(driver, args.depth)
+    verified = record_verified(driver.budget)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -183,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
               "spec": json.loads(args.spec), "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
               "depth": args.depth, "wall_s": wall, "proposals": len(proposals),
-              "groups": groups}
+              "groups": groups, "calibration": calibration_table(verified)}
     print(f"{result['machine']}, {args.model}, dtype {args.dtype}, spec {args.spec}, "
           f"concurrency {args.concurrency}, {len(prompts)} prompts x {args.max_new_tokens}")
     print(f"{len(proposals)} proposals; first {args.depth} nodes of each best chain replayed")
@@ -191,6 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
     for key, g in groups.items():
         print(f"| {key} | {g['proposals']} | {g['accepted']:.3f} | {g['expected']:.3f} | "
               f"{g['with_chain']:.2f} |")
+    print(f"\n{len(verified)} verified draft nodes: calibrated P(accepted) against acceptance")
+    print("| source, depth | nodes | expected | accepted | accepted / expected |\n|---|---|---|---|---|")
+    for key, g in result["calibration"].items():
+        print(f"| {key} | {g['nodes']} | {g['expected']:.1f} | {g['accepted']} | {g['ratio']:.2f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**result, "records": [asdict(p) for p in proposals]}, f)

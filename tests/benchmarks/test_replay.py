@@ -59,3 +59,32 @@ def test_replay_records_every_proposal_of_a_real_engine(capsys, tmp_path):
         assert 0 <= g["accepted"] <= 2 and 0 <= g["expected"] <= 2
     assert {r["request"] for r in saved["records"]} and all(
         r["num_tokens"] > 0 and len(r["chain"]) == len(r["probs"]) for r in saved["records"])
+
+
+@pytest.mark.unit
+def test_verified_nodes_are_tabulated_by_source_and_depth_with_their_prior_estimate():
+    """The recorder gives each verified node the probability the calibration held before
+    its tree was observed (what the controller chose by), with its source and outcome."""
+    import numpy as np
+
+    from vllm_recap.core.budget import BudgetController
+    from vllm_recap.core.config import RecapConfig
+
+    ctl = BudgetController(8, RecapConfig().depth_discounts)
+    nodes = replay.record_verified(ctl)
+    parents, scores = np.array([-1, 0, 1, 0]), np.array([1.0, 0.5, 0.3, 0.2])
+    depths, sources = np.array([0, 1, 2, 1]), np.array([0, 1, 3, 2])
+    before = ctl.calibration().probability_list(depths, parents, scores, sources)
+    ctl.observe_tree(parents, scores, np.array([1, 2]), depths, sources=sources)
+    assert nodes == [(1, 1, before[1], True), (3, 2, before[2], True), (2, 1, before[3], False)]
+    assert ctl.calibration().mass[1].sum() == pytest.approx(0.5)  # the budget still observed
+    ctl.observe_tree(parents, scores, 1, depths)  # no sources: not recorded
+    assert len(nodes) == 3
+    table = replay.calibration_table(nodes + [(2, 5, 0.5, True)], deepest=4)
+    assert table["memory, all depths"] == {"nodes": 1, "expected": before[1], "accepted": 1,
+                                          "ratio": 1 / before[1]}
+    assert table["memory + continuation, depth 2"]["accepted"] == 1
+    assert table["continuation, all depths"]["nodes"] == 2
+    assert table["continuation, depth 4+"] == {"nodes": 1, "expected": 0.5, "accepted": 1,
+                                              "ratio": 2.0}
+    assert replay.source_name(0) == "untracked"
