@@ -115,6 +115,25 @@ def test_calibration_is_kept_per_node_source():
     assert ctl.choose([memory], fixed_tokens=0) == 0
 
 
+def test_a_depth_without_data_inherits_what_the_depth_above_learned():
+    """Deep nodes are rare, so their factors rest on the prior: a source whose scores
+    overrated its nodes tenfold at depths 1-3 is not taken at its raw scores at depth 5
+    (measured at batch 1: memory-only nodes of depth 4 and more were accepted 0.11x as often
+    as estimated when the prior was the raw score, 0.79x with the depth above carried down)."""
+    c = AcceptanceCalibration(DISCOUNTS)
+    depths, parents = np.arange(4), np.arange(-1, 3)
+    scores = np.array([1.0, 0.5, 0.3, 0.2])
+    sources = np.array([0, SOURCE_MEMORY, SOURCE_MEMORY, SOURCE_MEMORY])
+    for i in range(400):  # each node accepted a tenth as often as its score says
+        hits = [d for d in (1, 2, 3) if (i * 7 + d) % 100 < 100 * scores[d] / 10]
+        c.observe(depths, scores, np.array(hits, np.int64), sources)
+    f = c.factors()[SOURCE_MEMORY]  # [depths, bins]; depth 5 saw no node
+    s = int(np.searchsorted(AcceptanceCalibration.EDGES, 0.2, side="right"))
+    assert f[3, s] * 0.2 == pytest.approx(0.2 / 10, rel=0.3)  # depth 3: learned
+    assert f[5, s] < c.prior[5] / 4  # not the raw prior
+    # (a node is never likelier than its parent, but a confident parent caps nothing)
+
+
 def test_observe_tree_derives_depths_when_not_given():
     tree = DraftTree(np.arange(5), np.array([-1, 0, 1, 0, 3]), np.array([1, .5, .3, .4, .2]))
     given, derived = BudgetController(8, DISCOUNTS), BudgetController(8, DISCOUNTS)

@@ -1475,8 +1475,13 @@ def calibration_observe(accepted, mass, decay, depths, scores, classes, hits, ed
 def calibration_factors(accepted, mass, prior_mass, prior, prior_depth_mass, out):
     """out[c, d, s] = (accepted + prior_mass[s] * f_cd) / (mass + prior_mass[s]): f_cd = the
     class's pooled factor at depth d (sums over its bins), shrunk to f_d = every class's
-    pooled factor at depth d, itself shrunk to prior[d] (``prior_depth_mass`` each)."""
+    pooled factor at depth d, itself shrunk to prior[d] (``prior_depth_mass`` each) -- both
+    priors scaled by what the depth above learned: f_d's by f_{d-1} / prior[d-1], f_cd's by
+    the class's own ratio to f_{d-1} (a source whose scores overrate its nodes at depth 3
+    overrates them at depth 4 too, and deep nodes are too rare to learn that alone)."""
     num_classes, depths, bins = accepted.shape
+    above = 1.0  # f_{d-1} / prior[d-1]
+    class_above = np.ones(num_classes)  # f_{c,d-1} / f_{d-1}
     for d in range(depths):
         a = 0.0
         m = 0.0
@@ -1484,17 +1489,19 @@ def calibration_factors(accepted, mass, prior_mass, prior, prior_depth_mass, out
             for s in range(bins):
                 a += accepted[c, d, s]
                 m += mass[c, d, s]
-        pooled = (a + prior_depth_mass * prior[d]) / (m + prior_depth_mass)
+        pooled = (a + prior_depth_mass * prior[d] * above) / (m + prior_depth_mass)
         for c in range(num_classes):
             ac = 0.0
             mc = 0.0
             for s in range(bins):
                 ac += accepted[c, d, s]
                 mc += mass[c, d, s]
-            own = (ac + prior_depth_mass * pooled) / (mc + prior_depth_mass)
+            own = (ac + prior_depth_mass * pooled * class_above[c]) / (mc + prior_depth_mass)
+            class_above[c] = own / pooled if pooled > 0.0 else 1.0
             for s in range(bins):
                 out[c, d, s] = ((accepted[c, d, s] + prior_mass[s] * own)
                                 / (mass[c, d, s] + prior_mass[s]))
+        above = pooled / prior[d] if prior[d] > 0.0 else 1.0
 
 
 @njit(cache=True)
