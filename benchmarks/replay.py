@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from vllm_recap.core.tree import SOURCE_MEMORY, SOURCE_SHARED, SOURCE_SUFFIX
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
 
 
@@ -115,7 +117,9 @@ def replay(proposals: Iterable[Proposal], outputs: dict[str, list[int]], full: i
             for key, rows in sorted(groups.items())}
 
 
-SOURCE_NAMES = ((1, "memory"), (2, "continuation"), (4, "shared index"))  # tree.SOURCE_* bits
+# DraftTree.sources bits, named for the table (the metrics line's names: core.calibration.SOURCES)
+SOURCE_NAMES = ((SOURCE_MEMORY, "memory"), (SOURCE_SUFFIX, "continuation"),
+                (SOURCE_SHARED, "shared index"))
 
 
 def source_name(mask: int) -> str:

@@ -1482,21 +1482,25 @@ def calibration_factors(accepted, mass, prior_mass, prior, prior_depth_mass, out
     num_classes, depths, bins = accepted.shape
     above = 1.0  # f_{d-1} / prior[d-1]
     class_above = np.ones(num_classes)  # f_{c,d-1} / f_{d-1}
+    class_a = np.empty(num_classes)  # per class at depth d: accepted and mass over its bins
+    class_m = np.empty(num_classes)
     for d in range(depths):
         a = 0.0
         m = 0.0
-        for c in range(num_classes):
-            for s in range(bins):
-                a += accepted[c, d, s]
-                m += mass[c, d, s]
-        pooled = (a + prior_depth_mass * prior[d] * above) / (m + prior_depth_mass)
         for c in range(num_classes):
             ac = 0.0
             mc = 0.0
             for s in range(bins):
                 ac += accepted[c, d, s]
                 mc += mass[c, d, s]
-            own = (ac + prior_depth_mass * pooled * class_above[c]) / (mc + prior_depth_mass)
+            class_a[c] = ac
+            class_m[c] = mc
+            a += ac
+            m += mc
+        pooled = (a + prior_depth_mass * prior[d] * above) / (m + prior_depth_mass)
+        for c in range(num_classes):
+            own = ((class_a[c] + prior_depth_mass * pooled * class_above[c])
+                   / (class_m[c] + prior_depth_mass))
             class_above[c] = own / pooled if pooled > 0.0 else 1.0
             for s in range(bins):
                 out[c, d, s] = ((accepted[c, d, s] + prior_mass[s] * own)
